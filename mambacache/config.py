@@ -1,0 +1,195 @@
+"""Engine configuration: composed frozen dataclasses, loaded from TOML with dotted-key overrides.
+
+Each TOML section maps one-to-one onto a dataclass below (``[model]`` -> ``ModelSection``, ...).
+Every dataclass validates itself in ``__post_init__``; TOML is parsed only at entry points
+(``EngineConfig.load``), never below them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+KERNELS = ("auto", "pallas", "reference")
+EVICTIONS = ("lru", "flop_aware")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _positive(name: str, value: int) -> None:
+    _require(isinstance(value, int) and value > 0, f"{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model to serve: a Hugging Face directory (``path``) or a seeded random ``preset``."""
+
+    path: str | None = None
+    preset: str = "tiny_qwen3_next"
+    seed: int = 0
+    dtype: str = "float32"
+    kernels: str = "auto"
+
+    def __post_init__(self):
+        _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.kernels in KERNELS, f"model.kernels must be one of {KERNELS}, got {self.kernels!r}"
+        )
+        _require(isinstance(self.seed, int), f"model.seed must be an int, got {self.seed!r}")
+        if self.path == "":
+            object.__setattr__(self, "path", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The prefix cache and the pools it manages.
+
+    ``num_kv_tokens`` is the KV pool size in tokens (rounded down to whole pages; page 0 is
+    reserved). ``num_mamba_slots`` counts usable recurrent-state slots (slot 0, the zero state, is
+    extra). ``checkpoint_interval`` = 0 disables periodic snapshots.
+    """
+
+    enable: bool = True
+    page_size: int = 1
+    num_kv_tokens: int = 16384
+    num_mamba_slots: int = 64
+    checkpoint_interval: int = 0
+    eviction: str = "lru"
+
+    def __post_init__(self):
+        _positive("cache.page_size", self.page_size)
+        _positive("cache.num_mamba_slots", self.num_mamba_slots)
+        _require(
+            isinstance(self.num_kv_tokens, int) and self.num_kv_tokens >= self.page_size,
+            f"cache.num_kv_tokens must be >= cache.page_size ({self.page_size}), "
+            f"got {self.num_kv_tokens!r}",
+        )
+        _require(
+            isinstance(self.checkpoint_interval, int) and self.checkpoint_interval >= 0,
+            f"cache.checkpoint_interval must be >= 0, got {self.checkpoint_interval!r}",
+        )
+        _require(
+            self.eviction in EVICTIONS,
+            f"cache.eviction must be one of {EVICTIONS}, got {self.eviction!r}",
+        )
+
+    @property
+    def num_pages(self) -> int:
+        """Usable KV pages (page 0 is reserved on top of these)."""
+        return self.num_kv_tokens // self.page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: how many requests run at once and how prefill is chunked."""
+
+    max_running_requests: int = 16
+    chunked_prefill_size: int = 256
+    check_integrity_every_step: bool = False
+
+    def __post_init__(self):
+        _positive("scheduler.max_running_requests", self.max_running_requests)
+        _positive("scheduler.chunked_prefill_size", self.chunked_prefill_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Device mesh: ``tensor_parallel`` devices share heads, channels and experts."""
+
+    tensor_parallel: int = 1
+
+    def __post_init__(self):
+        _positive("parallel.tensor_parallel", self.tensor_parallel)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an ``Engine`` needs. The defaults are the embedded tiny model."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Build from nested sections; unknown sections or keys are a ``ValueError``."""
+        return build_sections(cls, data)
+
+    @classmethod
+    def load(
+        cls, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> EngineConfig:
+        """Load a TOML file (or the defaults when ``path`` is None), then apply dotted overrides.
+
+        Sections of the file that belong to other entry points (e.g. ``[workload]``) are ignored.
+        """
+        data = read_toml(path) if path is not None else {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in names}
+        return cls.from_dict(apply_overrides(data, overrides or {}))
+
+    def replace(self, **overrides: Any) -> EngineConfig:
+        """A copy with dotted-key overrides, e.g. ``cfg.replace(**{"cache.enable": False})``."""
+        return EngineConfig.from_dict(apply_overrides(dataclasses.asdict(self), overrides))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def build_sections(cls: type, data: Mapping[str, Any]) -> Any:
+    """Instantiate dataclass ``cls`` from a nested mapping, sub-dataclasses included."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown} for {cls.__name__}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = fields[name].default_factory  # type: ignore[misc]
+        if dataclasses.is_dataclass(sub):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config section {name!r} must be a table, got {value!r}")
+            value = build_sections(sub, value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a deep copy of ``data`` with ``{"section.key": value}`` overrides applied."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ValueError(f"override {dotted!r} must be 'section.key'")
+        out.setdefault(section, {})
+        if not isinstance(out[section], dict):
+            raise ValueError(f"override {dotted!r}: {section!r} is not a section")
+        out[section][key] = value
+    return out
+
+
+def parse_set_args(items: list[str]) -> dict[str, Any]:
+    """Parse ``--set section.key=value`` strings; values are TOML literals, else plain strings."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects section.key=value, got {item!r}")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        overrides[key.strip()] = value
+    return overrides

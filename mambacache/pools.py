@@ -1,0 +1,77 @@
+"""Device-side pools: KV pages per full-attention layer, conv and SSM state slots per linear layer.
+
+``PoolState`` is an immutable pytree. Jitted steps take it with ``donate_argnums`` and return the
+updated one; the data dependency orders every write before every later read.
+
+Reserved ids (host allocators never hand them out):
+  * KV page 0 is the dump page: padding tokens write their K/V there; nothing reads it as valid.
+  * State slot 0 is the zero state: it stays all zeros; a write aimed at slot 0 is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PoolState:
+    """KV pages and recurrent-state slots, one array per layer of each kind.
+
+    Attributes:
+      k_pages, v_pages: per full-attention layer, ``[num_pages + 1, page_size, num_kv_heads,
+        head_dim]`` in the model dtype (page 0 = dump page).
+      conv: per linear layer, ``[num_slots + 1, conv_kernel_size - 1, conv_dim]`` in the model
+        dtype: the last ``kernel - 1`` inputs of the causal conv, oldest first (slot 0 = zeros).
+      ssm: per linear layer, ``[num_slots + 1, num_v_heads, head_k_dim, head_v_dim]`` float32:
+        the delta-rule state S with ``o_t = S_t^T q_t`` (slot 0 = zeros).
+    """
+
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+    ssm: tuple[jax.Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per layer, the reserved page 0 included."""
+        return int(self.k_pages[0].shape[0]) if self.k_pages else 0
+
+    @property
+    def num_slots(self) -> int:
+        """State slots per layer, the reserved slot 0 included."""
+        return int(self.ssm[0].shape[0]) if self.ssm else 0
+
+    def replace(self, **changes: Any) -> PoolState:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def create(cls, model_cfg: Any, num_pages: int, page_size: int, num_slots: int,
+               dtype: Any = jnp.float32) -> PoolState:
+        """Zero pools for ``model_cfg`` with ``num_pages`` usable pages and ``num_slots`` slots.
+
+        ``model_cfg`` needs ``num_full_layers``, ``num_linear_layers``, ``num_key_value_heads``,
+        ``head_dim``, ``linear_conv_kernel_dim``, ``linear_conv_dim``, ``linear_num_value_heads``,
+        ``linear_key_head_dim`` and ``linear_value_head_dim`` (see ``models.config.ModelConfig``).
+        """
+        c = model_cfg
+        kv_shape = (num_pages + 1, page_size, c.num_key_value_heads, c.head_dim)
+        conv_shape = (num_slots + 1, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
+        ssm_shape = (num_slots + 1, c.linear_num_value_heads, c.linear_key_head_dim,
+                     c.linear_value_head_dim)
+        return cls(
+            k_pages=tuple(jnp.zeros(kv_shape, dtype) for _ in range(c.num_full_layers)),
+            v_pages=tuple(jnp.zeros(kv_shape, dtype) for _ in range(c.num_full_layers)),
+            conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(c.num_linear_layers)),
+            ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(c.num_linear_layers)),
+        )
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by the KV pages (``full``) and by the state slots (``mamba``)."""
+        full = sum(a.nbytes for a in self.k_pages + self.v_pages)
+        mamba = sum(a.nbytes for a in self.conv + self.ssm)
+        return {"full": int(full), "mamba": int(mamba)}
