@@ -1,0 +1,86 @@
+"""Gated delta rule over ragged packed sequences (chunked prefill with snapshots).
+
+Per sequence, starting from ``S = ssm_pool[read_slot]`` (``[Hv, Dk, Dv]`` float32), each token:
+``S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q`` with q, k L2-normalised (q also scaled
+by ``Dk ** -0.5``). See ``docs/kernels.md`` for the chunked (WY / UT-transform) form.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._common import drop_slot, l2norm, state_targets, token_seq_ids
+
+
+def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:
+    """L2-normalise ``q, k [T, Hk, Dk]`` (q times ``Dk**-0.5``); expand to ``[T, Hv, Dk]`` f32."""
+    group = num_v_heads // q.shape[1]
+    qn = l2norm(q) * (q.shape[-1] ** -0.5)
+    kn = l2norm(k)
+    return jnp.repeat(qn, group, axis=1), jnp.repeat(kn, group, axis=1)
+
+
+def delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+               beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token for all heads. state ``[..., H, Dk, Dv]``; q, k ``[..., H, Dk]``; v ``[..., H,
+    Dv]``; g, beta ``[..., H]``; all float32. Returns ``(new state, o [..., H, Dv])``."""
+    state = jnp.exp(g)[..., None, None] * state
+    kv = jnp.einsum("...kv,...k->...v", state, k)
+    u = beta[..., None] * (v - kv)
+    state = state + k[..., :, None] * u[..., None, :]
+    return state, jnp.einsum("...kv,...k->...v", state, q)
+
+
+def gated_delta_rule_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot,
+                                      write_slot, snap_seq, snap_offset, snap_slot):
+    """Plain-jnp token scan. Shapes as ``ops.gated_delta_rule_extend``; returns ``(o, pool)``.
+
+    One ``lax.scan`` over the packed tokens carries the running state, reloaded from the pool at
+    every sequence start. Each written state (final or snapshot) is captured at its last token.
+    """
+    num_tokens, num_heads, dv = v.shape
+    num_slots = ssm_pool.shape[0]
+    qe, ke = prepare_qk(q, k, num_heads)
+    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
+    is_start = jnp.arange(num_tokens) == cu_seqlens[seq]
+    init = ssm_pool[read_slot]                                        # [B, Hv, Dk, Dv]
+    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
+                                         snap_slot)
+    num_targets = t_seq.shape[0]
+    tok = jnp.where(t_off > 0, cu_seqlens[t_seq] + t_off - 1, -1)   # token after which to take
+    same = (tok[:, None] == tok[None, :]) & (tok[:, None] >= 0)
+    canon = jnp.argmax(same, axis=1)                                 # first target at that token
+    owner = jnp.where((canon == jnp.arange(num_targets)) & (tok >= 0), tok, num_tokens)
+    capture = jnp.full((num_tokens,), num_targets, jnp.int32).at[owner].set(
+        jnp.arange(num_targets, dtype=jnp.int32), mode="drop")
+
+    def body(carry, xs):
+        state, buf = carry
+        qt, kt, vt, gt, bt, start, b, cap = xs
+        state = jnp.where(start, init[b], state)
+        state, o = delta_step(state, qt, kt, vt, gt, bt)
+        buf = jax.lax.dynamic_update_index_in_dim(buf, state, cap, 0)
+        return (state, buf), o
+
+    buf0 = jnp.zeros((num_targets + 1,) + ssm_pool.shape[1:], jnp.float32)
+    xs = (qe, ke, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32),
+          is_start, seq, capture)
+    (_, buf), o = jax.lax.scan(body, (init[0] * 0.0, buf0), xs)
+    states = jnp.where((t_off > 0)[:, None, None, None], buf[canon], init[t_seq])
+    pool = ssm_pool.at[drop_slot(t_slot, num_slots)].set(states, mode="drop")
+    o = jnp.where(valid[:, None, None], o, 0.0).astype(v.dtype)
+    return o, pool
+
+
+def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot):
+    """One token per sequence. q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``.
+
+    Returns ``(o [B, Hv, Dv] in v.dtype, ssm_pool)``; writes to slot 0 are dropped.
+    """
+    qe, ke = prepare_qk(q, k, v.shape[1])
+    state = ssm_pool[read_slot]
+    state, o = delta_step(state, qe, ke, v.astype(jnp.float32), g.astype(jnp.float32),
+                          beta.astype(jnp.float32))
+    pool = ssm_pool.at[drop_slot(write_slot, ssm_pool.shape[0])].set(state, mode="drop")
+    return o.astype(v.dtype), pool

@@ -1,0 +1,77 @@
+"""Random ragged-batch cases shared by the kernel tests and the benchmark (numpy on the host)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedCase:
+    """A packed batch: ``lens`` extend lengths padded to T tokens and B sequences.
+
+    ``read_slot``/``write_slot`` ``[B]``, snapshots ``[S]`` each, ``cu_seqlens [B+1]``; slot 0
+    is never written; padding sequences have length 0 and write slot 0.
+    """
+
+    lens: tuple[int, ...]
+    cu_seqlens: np.ndarray
+    read_slot: np.ndarray
+    write_slot: np.ndarray
+    snap_seq: np.ndarray
+    snap_offset: np.ndarray
+    snap_slot: np.ndarray
+    num_tokens: int
+    num_slots: int
+
+
+def ragged_case(rng: np.random.Generator, lens: Sequence[int], *, num_tokens: int,
+                num_seqs: int, snapshots: Sequence[tuple[int, int]] = (),
+                num_snapshots: int | None = None, zero_init: bool = False) -> RaggedCase:
+    """Build a case. ``snapshots`` are ``(seq, offset)``; each gets its own fresh slot.
+
+    Read slots are random non-zero slots (or 0 when ``zero_init``); write and snapshot slots are
+    distinct fresh slots, so every write is observable.
+    """
+    lens = tuple(int(n) for n in lens)
+    if sum(lens) > num_tokens or len(lens) > num_seqs:
+        raise ValueError(f"lens {lens} do not fit {num_tokens} tokens / {num_seqs} seqs")
+    num_snaps = num_snapshots if num_snapshots is not None else max(len(snapshots), 1)
+    num_slots = 1 + 2 * num_seqs + num_snaps + 2
+    cu = np.full(num_seqs + 1, sum(lens), np.int32)
+    cu[0] = 0
+    cu[1:len(lens) + 1] = np.cumsum(lens)
+    fresh = rng.permutation(np.arange(1, num_slots))
+    read = np.zeros(num_seqs, np.int32)
+    if not zero_init:
+        read[:len(lens)] = rng.integers(1, num_slots, size=len(lens))
+    write = np.zeros(num_seqs, np.int32)
+    write[:len(lens)] = fresh[:len(lens)]
+    snap = np.zeros((3, num_snaps), np.int32)
+    for j, (b, off) in enumerate(snapshots):
+        snap[:, j] = (b, off, fresh[len(lens) + j])
+    return RaggedCase(lens, cu, read, write, snap[0], snap[1], snap[2], num_tokens, num_slots)
+
+
+def gdr_inputs(rng: np.random.Generator, case: RaggedCase, num_k_heads: int, num_v_heads: int,
+               head_k_dim: int, head_v_dim: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Random q, k, v, g, beta and an ssm pool (slot 0 zero) for a gated delta rule case."""
+    t = case.num_tokens
+    pool = rng.normal(size=(case.num_slots, num_v_heads, head_k_dim, head_v_dim)) * 0.5
+    pool[0] = 0.0
+    return dict(
+        q=rng.normal(size=(t, num_k_heads, head_k_dim)).astype(dtype),
+        k=rng.normal(size=(t, num_k_heads, head_k_dim)).astype(dtype),
+        v=rng.normal(size=(t, num_v_heads, head_v_dim)).astype(dtype),
+        g=np.log(rng.uniform(0.5, 1.0, size=(t, num_v_heads))).astype(np.float32),
+        beta=rng.uniform(0.05, 0.95, size=(t, num_v_heads)).astype(np.float32),
+        ssm_pool=pool.astype(np.float32),
+    )
+
+
+def slot_args(case: RaggedCase) -> tuple[np.ndarray, ...]:
+    """``(cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot)``."""
+    return (case.cu_seqlens, case.read_slot, case.write_slot, case.snap_seq, case.snap_offset,
+            case.snap_slot)
