@@ -1,0 +1,68 @@
+"""The serving forward pass: ``forward(params, pools, batch, *, cfg, kernels, decode)``.
+
+Jittable with the pools donated::
+
+    step = jax.jit(partial(forward, cfg=cfg, kernels="auto", decode=False), donate_argnums=(1,))
+    pools, logits = step(params, pools, batch)
+
+``pools`` is duck-typed ``mambacache.pools.PoolState`` (tuples ``k_pages``/``v_pages`` per full
+layer, ``conv``/``ssm`` per linear layer, in layer order; updated with ``pools.replace``) and
+``batch`` a ``mambacache.batch.ForwardBatch``. This module does not import ``mambacache``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.layers import rms_norm, sparse_moe, swiglu
+from models.mixers import full_attention, gated_delta_net
+from pallas_kernels import ops
+
+KERNELS = ("pallas", "reference", "auto")
+
+
+def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array) -> jax.Array:
+    if "moe" in layer:
+        return sparse_moe(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
+
+
+def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
+            kernels: str = "auto", decode: bool = False) -> tuple[Any, jax.Array]:
+    """Run one step over the packed batch; returns (updated pools, logits ``[L, V]`` float32).
+
+    Logits are taken at ``batch.logits_indices``. ``decode=True`` requires one token per
+    sequence (``T == B``) and uses the single-step recurrent/conv ops.
+    """
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    impl = ops.resolve_impl(kernels)
+    if decode and batch.input_ids.shape[0] != batch.read_slot.shape[0]:
+        raise ValueError(f"decode needs one token per sequence: {batch.input_ids.shape[0]} tokens, "
+                         f"{batch.read_slot.shape[0]} sequences")
+    k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
+    conv, ssm = list(pools.conv), list(pools.ssm)
+    h = jnp.take(params["embed"], batch.input_ids, axis=0)
+    full_i = linear_i = 0
+    for kind, layer in zip(cfg.layer_types, params["layers"], strict=True):
+        x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
+        if kind == "linear_attention":
+            x, conv[linear_i], ssm[linear_i] = gated_delta_net(
+                cfg, layer["gdn"], x, conv[linear_i], ssm[linear_i], batch, decode=decode,
+                impl=impl)
+            linear_i += 1
+        else:
+            x, k_pages[full_i], v_pages[full_i] = full_attention(
+                cfg, layer["attn"], x, k_pages[full_i], v_pages[full_i], batch, impl=impl)
+            full_i += 1
+        h = h + x
+        h = h + _mlp(cfg, layer, rms_norm(h, layer["post_norm"], cfg.rms_norm_eps))
+    h = jnp.take(h, batch.logits_indices, axis=0)
+    logits = (rms_norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
+    pools = pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),
+                          ssm=tuple(ssm))
+    return pools, logits.astype(jnp.float32)

@@ -1,0 +1,150 @@
+"""Parameter layout (one for all families) and the seeded random init.
+
+Params are a plain pytree of ``jax.Array`` (nested dicts and a tuple of per-layer dicts). Linear
+weights are stored ``[in, out]`` (``y = x @ w``), i.e. transposed from torch's ``nn.Linear``:
+
+  embed ``[V, H]``, final_norm ``[H]``, lm_head ``[H, V]`` (a copy of ``embed.T`` when tied),
+  layers[i]: input_norm ``[H]``, post_norm ``[H]``, and
+    linear_attention -> gdn: in_proj ``[H, C + Hv*Dv + 2*Hv]`` (columns q | k | v | z | b | a,
+      heads in value-head order, i.e. the Qwen3.5 layout; the loader un-groups Qwen3-Next's
+      packed ``in_proj_qkvz``/``in_proj_ba``), conv_w ``[K, C]``, A_log ``[Hv]``,
+      dt_bias ``[Hv]``, norm ``[Dv]`` (plain weight), out_proj ``[Hv*Dv, H]``;
+    full_attention -> attn: qkv_proj ``[H, Hq*2*D + 2*Hkv*D]`` (columns: q_proj as HF packs it,
+      query and gate interleaved per head, then k, then v), q_norm ``[D]``, k_norm ``[D]``,
+      o_proj ``[Hq*D, H]``;
+    dense -> mlp: gate_up ``[H, 2*I]`` (gate | up), down ``[I, H]``;
+    moe -> moe: router ``[H, E]``, gate_up ``[E, H, 2*Im]``, down ``[E, Im, H]``,
+      shared_gate_up ``[H, 2*Is]``, shared_down ``[Is, H]``, shared_gate ``[H, 1]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+
+def gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    c, hv, h = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.hidden_size
+    return {
+        "in_proj": (h, c + cfg.linear_value_dim + 2 * hv),
+        "conv_w": (cfg.linear_conv_kernel_dim, c),
+        "A_log": (hv,),
+        "dt_bias": (hv,),
+        "norm": (cfg.linear_value_head_dim,),
+        "out_proj": (cfg.linear_value_dim, h),
+    }
+
+
+def attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, hq, hkv, h = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    return {
+        "qkv_proj": (h, hq * 2 * d + 2 * hkv * d),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "o_proj": (hq * d, h),
+    }
+
+
+def mlp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"gate_up": (h, 2 * i), "down": (i, h)}
+
+
+def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, e, im, is_ = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                     cfg.shared_expert_intermediate_size)
+    return {
+        "router": (h, e),
+        "gate_up": (e, h, 2 * im),
+        "down": (e, im, h),
+        "shared_gate_up": (h, 2 * is_),
+        "shared_down": (is_, h),
+        "shared_gate": (h, 1),
+    }
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The full parameter tree with shape tuples as leaves."""
+    h = cfg.hidden_size
+    layers = []
+    for kind, mlp in zip(cfg.layer_types, cfg.mlp_types, strict=True):
+        layer: dict[str, Any] = {"input_norm": (h,), "post_norm": (h,)}
+        if kind == "linear_attention":
+            layer["gdn"] = gdn_shapes(cfg)
+        else:
+            layer["attn"] = attn_shapes(cfg)
+        if mlp == "moe":
+            layer["moe"] = moe_shapes(cfg)
+        else:
+            layer["mlp"] = mlp_shapes(cfg)
+        layers.append(layer)
+    return {"embed": (cfg.vocab_size, h), "final_norm": (h,), "lm_head": (h, cfg.vocab_size),
+            "layers": tuple(layers)}
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def _init_leaf(path: str, shape: tuple[int, ...], rng: np.random.Generator,
+               std: float) -> np.ndarray:
+    """Random value for one leaf; norms, A_log and dt_bias are randomised too (not identity)."""
+    name = path.rsplit("/", 1)[-1]
+    if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"):
+        return rng.normal(0.0, 0.1, shape)  # zero-centred: the norm multiplies by (1 + w)
+    if name == "norm":
+        return 1.0 + rng.normal(0.0, 0.1, shape)  # gated norm: plain weight
+    if name == "A_log":
+        return np.log(rng.uniform(1.0, 16.0, shape))
+    if name == "dt_bias":
+        return 1.0 + rng.normal(0.0, 0.2, shape)
+    if name == "conv_w":
+        return rng.normal(0.0, 0.3, shape)
+    if name == "embed":
+        return rng.normal(0.0, 1.0, shape)
+    return rng.normal(0.0, std, shape)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Seeded random parameters for ``cfg`` in ``dtype`` (numpy RNG: identical on any backend).
+
+    Linear weights ~ N(0, 1/sqrt(fan_in)); every norm weight, ``A_log`` and ``dt_bias`` is
+    randomised so that a wrong ``(1 + w)`` convention or a swapped gate changes the output.
+    """
+    rng = np.random.default_rng(seed)
+
+    def build(tree: Any, path: str) -> Any:
+        if _is_shape(tree):
+            fan_in = tree[-2] if len(tree) >= 2 else 1
+            leaf = _init_leaf(path, tree, rng, 1.0 / np.sqrt(fan_in))
+            return jnp.asarray(leaf.astype(np.float32), dtype=dtype)
+        if isinstance(tree, dict):
+            return {k: build(v, f"{path}/{k}") for k, v in tree.items()}
+        return tuple(build(v, f"{path}/{i}") for i, v in enumerate(tree))
+
+    params = build(param_shapes(cfg), "")
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = params["embed"].T
+    return params
+
+
+def check_params(cfg: ModelConfig, params: Any) -> None:
+    """``ValueError`` naming the first leaf whose presence or shape differs from the layout."""
+    expected = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)[0]
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    got = {jax.tree_util.keystr(k): v for k, v in got.items()}
+    for key, shape in expected:
+        name = jax.tree_util.keystr(key)
+        if name not in got:
+            raise ValueError(f"parameter {name} is missing (expected shape {shape})")
+        if tuple(got[name].shape) != shape:
+            raise ValueError(f"parameter {name} has shape {tuple(got[name].shape)}, "
+                             f"expected {shape}")
+    extra = sorted(set(got) - {jax.tree_util.keystr(k) for k, _ in expected})
+    if extra:
+        raise ValueError(f"unexpected parameter(s) {extra}")

@@ -1,0 +1,52 @@
+"""Named toy configurations (seeded random init), small enough that a CPU step takes milliseconds.
+
+``tiny_qwen3_next`` is the embedded default: 4 layers in the 3:1 linear:full pattern, GQA,
+partial RoPE, a sparse MoE with a sigmoid-gated shared expert on every layer.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+
+_PATTERN = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    layer_types=_PATTERN,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rope_theta=10000.0,
+    partial_rotary_factor=0.25,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+)
+
+_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny_qwen3_next": ModelConfig(family="qwen3_next", mlp_types=("moe",) * 4, **_MOE,
+                                   norm_topk_prob=True, **_COMMON),
+    "tiny_qwen3_5": ModelConfig(family="qwen3_5", mlp_types=("dense",) * 4, intermediate_size=128,
+                                **_COMMON),
+    "tiny_qwen3_5_moe": ModelConfig(family="qwen3_5_moe", mlp_types=("moe",) * 4, **_MOE,
+                                    **_COMMON),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset ``name``; a ``ValueError`` lists the known names otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name]
