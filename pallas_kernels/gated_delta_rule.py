@@ -7,10 +7,13 @@ by ``Dk ** -0.5``). See ``docs/kernels.md`` for the chunked (WY / UT-transform) 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import drop_slot, l2norm, state_targets, token_seq_ids
+from pallas_kernels._common import check, drop_slot, l2norm, state_targets, token_seq_ids
+from pallas_kernels.gdr_chunk import gdr_chunk_call
 
 
 def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:
@@ -84,3 +87,87 @@ def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, wri
                           beta.astype(jnp.float32))
     pool = ssm_pool.at[drop_slot(write_slot, ssm_pool.shape[0])].set(state, mode="drop")
     return o.astype(v.dtype), pool
+
+
+def _chunk_layout(cu_seqlens, num_tokens: int, chunk_size: int, num_chunks: int):
+    """Cut every sequence into chunks of ``chunk_size`` that never span two sequences.
+
+    Returns ``(gather [NC, BT] token index or T for zero rows, chunk_seq [NC], first [NC] int32,
+    chunk_off [B+1] first chunk of each sequence)``.
+    """
+    num_seqs = cu_seqlens.shape[0] - 1
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunk_off = jnp.concatenate([jnp.zeros(1, jnp.int32),
+                                 jnp.cumsum(-(-lens // chunk_size)).astype(jnp.int32)])
+    c = jnp.arange(num_chunks, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(chunk_off, c, side="right") - 1, 0, num_seqs - 1)
+    used = c < chunk_off[-1]
+    local = (c - chunk_off[seq])[:, None] * chunk_size + jnp.arange(chunk_size)
+    valid = used[:, None] & (local < lens[seq][:, None])
+    gather = jnp.where(valid, cu_seqlens[seq][:, None] + local, num_tokens)
+    first = (used & (c == chunk_off[seq])).astype(jnp.int32)
+    return gather, seq.astype(jnp.int32), first, chunk_off
+
+
+def _chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot, chunk_size, num_chunks):
+    """Sort the written states by chunk. Returns CSR ``(start [NC+1], row [J], slot [J])``:
+    the state after ``row`` (0..BT) tokens of the chunk goes to ``slot``."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    inner = jnp.where(t_off > 0, (t_off - 1) // chunk_size, 0)
+    chunk = jnp.where(lens[t_seq] > 0, chunk_off[t_seq] + inner, num_chunks)
+    order = jnp.argsort(chunk, stable=True)
+    start = jnp.searchsorted(chunk[order], jnp.arange(num_chunks + 1), side="left")
+    row = (t_off - inner * chunk_size)[order]
+    return start.astype(jnp.int32), row.astype(jnp.int32), t_slot[order]
+
+
+def _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size):
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    check(k.shape == q.shape, f"k shape {k.shape} must equal q shape {q.shape}")
+    check(v.shape[0] == t and hv % hk == 0,
+          f"v shape {v.shape}: tokens must be {t} and heads a multiple of {hk}")
+    check(g.shape == (t, hv) and beta.shape == (t, hv),
+          f"g {g.shape} / beta {beta.shape} must be {(t, hv)}")
+    check(ssm_pool.shape[1:] == (hv, dk, dv) and ssm_pool.dtype == jnp.float32,
+          f"ssm_pool {ssm_pool.shape} {ssm_pool.dtype} must be [N, {hv}, {dk}, {dv}] float32")
+    check(chunk_size % 8 == 0 and chunk_size > 0,
+          f"chunk_size {chunk_size} must be a positive multiple of 8")
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+                   donate_argnames=("ssm_pool",))
+def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
+                            snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
+                            interpret: bool = False):
+    """Pallas chunked prefill; same contract as the reference. Returns ``(o, ssm_pool)``."""
+    _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size)
+    num_tokens, num_heads, _ = v.shape
+    num_seqs = read_slot.shape[0]
+    num_chunks = min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
+    gather, cseq, first, chunk_off = _chunk_layout(cu_seqlens, num_tokens, chunk_size,
+                                                   num_chunks)
+    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
+                                         snap_slot)
+    # States of empty sequences are copies of their initial state: no chunk computes them.
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    empty_dst = jnp.where(lens[t_seq] == 0, t_slot, 0)
+    ssm_pool = ssm_pool.at[drop_slot(empty_dst, ssm_pool.shape[0])].set(
+        ssm_pool[read_slot[t_seq]], mode="drop")
+    tstart, trow, tslot = _chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
+                                         chunk_size, num_chunks)
+
+    def chunked(x):  # [T, H, ...] -> [H, NC, BT, ...] with zero rows
+        x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[gather]
+        return jnp.moveaxis(x, 2, 0)
+
+    gcum = jnp.cumsum(chunked(g.astype(jnp.float32)), axis=-1)           # [Hv, NC, BT]
+    o_c, ssm_pool = gdr_chunk_call(
+        first, read_slot[cseq], tstart, trow, tslot, chunked(q), chunked(k), chunked(v),
+        gcum[..., None], gcum[:, :, None, :], chunked(beta.astype(jnp.float32))[..., None],
+        ssm_pool, interpret=interpret)
+    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
+    local = jnp.arange(num_tokens) - cu_seqlens[seq]
+    o = o_c[:, chunk_off[seq] + local // chunk_size, local % chunk_size]   # [Hv, T, Dv]
+    o = jnp.where(valid[None, :, None], o, 0).astype(v.dtype)
+    return jnp.moveaxis(o, 0, 1), ssm_pool

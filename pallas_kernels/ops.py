@@ -18,7 +18,7 @@ from pallas_kernels import paged_attention as _attn
 
 IMPLS = ("pallas", "reference")
 PALLAS_FALLBACK: frozenset[str] = frozenset(
-    {"gated_delta_rule_extend", "gated_delta_rule_decode", "causal_conv1d_extend",
+    {"gated_delta_rule_decode", "causal_conv1d_extend",
      "causal_conv1d_decode", "paged_attention"})
 
 
@@ -53,8 +53,7 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
             snap_offset, snap_slot)
     args = _arrays(args)
     if _use_pallas(impl, "gated_delta_rule_extend"):
-        from pallas_kernels.gated_delta_rule import gated_delta_rule_extend as kern
-        return kern(*args, interpret=_interpret())
+        return _gdr.gated_delta_rule_extend(*args, interpret=_interpret())
     return _gdr.gated_delta_rule_extend_reference(*args)
 
 

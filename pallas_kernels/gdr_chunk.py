@@ -1,0 +1,129 @@
+"""Pallas kernel: chunked gated delta rule over ragged sequences, pool read/write + snapshots.
+
+Layout (built by ``gated_delta_rule.gated_delta_rule_extend``): every sequence is cut into
+chunks of ``BT`` tokens that never span two sequences; chunk c of the padded chunk axis holds
+tokens of one sequence (zero rows past its end, which leave the state unchanged). The grid is
+``(Hv, NC)``: heads in parallel, chunks in order, the running state in VMEM scratch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_F32 = jnp.float32
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
+    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=_F32)
+
+
+def _l2norm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _unit_lower_inverse(lower):
+    """``(I + L)^-1`` for strictly lower ``L [BT, BT]`` by forward substitution (row by row)."""
+    bt = lower.shape[0]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    eye = (rows == cols).astype(_F32)
+
+    def body(i, inv):
+        pick = (rows == i).astype(_F32)                      # one-hot row i, broadcast
+        l_i = jnp.sum(pick * lower, axis=0, keepdims=True)   # [1, BT] = L[i, :]
+        new = jnp.sum(pick * eye, axis=0, keepdims=True) - _dot(l_i, inv)
+        return jnp.where(rows == i, new, inv)
+
+    return jax.lax.fori_loop(1, bt, body, eye)
+
+
+def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # SMEM scalars
+                      q_ref,      # [BT, Dk] raw q of this chunk (key head h // G)
+                      k_ref,      # [BT, Dk] raw k
+                      v_ref,      # [BT, Dv]
+                      gcol_ref,   # [BT, 1] f32 in-chunk cumulative log-decay
+                      grow_ref,   # [1, BT] f32 the same as a row
+                      beta_ref,   # [BT, 1] f32
+                      pool_ref,   # [N, Hv, Dk, Dv] f32 HBM: initial states (alias of pool_out)
+                      o_ref,      # [BT, Dv] output
+                      pool_out,   # [N, Hv, Dk, Dv] f32 HBM: final states, snapshots
+                      state_ref,  # [Dk, Dv] f32 scratch: state at this chunk's start
+                      snap_ref):  # [Dk, Dv] f32 scratch: staging for DMA to the pool
+    h, c = pl.program_id(0), pl.program_id(1)
+    bt, dk = k_ref.shape
+
+    @pl.when(first_ref[c] == 1)
+    def _load_initial():
+        pltpu.sync_copy(pool_ref.at[read_ref[c], h], state_ref)
+
+    q = _l2norm(q_ref[...].astype(_F32)) * (dk ** -0.5)
+    k = _l2norm(k_ref[...].astype(_F32))
+    v = v_ref[...].astype(_F32)
+    gc, gr, beta = gcol_ref[...], grow_ref[...], beta_ref[...]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    decay = jnp.exp(jnp.where(rows >= cols, gc - gr, -jnp.inf))          # exp(G_i - G_j), j<=i
+    lower = jnp.where(rows > cols, beta * decay * _dot(k, k, trans_b=True), 0.0)
+    inv = _unit_lower_inverse(lower)
+    s0 = state_ref[...]
+    # U = (I + L)^-1 beta (V - exp(G) K S0): the corrected values written by each token.
+    u = _dot(inv, beta * (v - jnp.exp(gc) * _dot(k, s0)))
+    attn = decay * _dot(q, k, trans_b=True)
+    o_ref[...] = (jnp.exp(gc) * _dot(q, s0) + _dot(attn, u)).astype(o_ref.dtype)
+
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, bt), 1)
+
+    def state_after(r):  # state after the first r tokens of the chunk, r in 0..BT
+        g_r = jnp.sum(jnp.where(lane == r - 1, gr, 0.0), axis=1, keepdims=True)  # [1, 1]
+        w = jnp.where(rows[:, :1] < r, jnp.exp(g_r - gc), 0.0)             # [BT, 1]
+        return jnp.exp(g_r) * s0 + _dot(k, w * u, trans_a=True)
+
+    def write_target(j, carry):
+        slot = tslot_ref[j]
+
+        @pl.when(slot > 0)
+        def _write():
+            snap_ref[...] = state_after(trow_ref[j])
+            pltpu.sync_copy(snap_ref, pool_out.at[slot, h])
+
+        return carry
+
+    jax.lax.fori_loop(tstart_ref[c], tstart_ref[c + 1], write_target, 0)
+    state_ref[...] = state_after(bt)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
+def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcol, grow, beta, ssm_pool, *,
+                   interpret: bool = False):
+    """Run the kernel on chunked inputs. q, k ``[Hk, NC, BT, Dk]``; v ``[Hv, NC, BT, Dv]``;
+    gcol, beta ``[Hv, NC, BT, 1]``; grow ``[Hv, NC, 1, BT]``; per-chunk ``first, read [NC]``;
+    targets CSR ``tstart [NC+1]``, ``trow, tslot [J]``. Returns ``(o [Hv, NC, BT, Dv], pool)``."""
+    num_heads, num_chunks, bt, dv = v.shape
+    dk = q.shape[-1]
+    group = num_heads // q.shape[0]
+    sq = pl.Squeezed()
+
+    def blk(last2, kv_head=False):
+        if kv_head:
+            return pl.BlockSpec((sq, sq) + last2, lambda h, c, *_: (jax.lax.div(h, group), c, 0, 0))
+        return pl.BlockSpec((sq, sq) + last2, lambda h, c, *_: (h, c, 0, 0))
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5, grid=(num_heads, num_chunks),
+        in_specs=[blk((bt, dk), True), blk((bt, dk), True), blk((bt, dv)), blk((bt, 1)),
+                  blk((1, bt)), blk((bt, 1)), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[blk((bt, dv)), pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((dk, dv), _F32), pltpu.VMEM((dk, dv), _F32)])
+    return pl.pallas_call(
+        _gdr_chunk_kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((num_heads, num_chunks, bt, dv), v.dtype),
+                   jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
+        input_output_aliases={5 + 6: 1}, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    )(first, read, tstart, trow, tslot, q, k, v, gcol, grow, beta, ssm_pool)
