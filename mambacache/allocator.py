@@ -1,0 +1,154 @@
+"""Id allocators for KV pages and recurrent-state slots (host side, numpy only).
+
+An ``IdAllocator`` hands out the ids ``1..num_ids`` (id 0 is reserved: KV page 0 is the dump
+page, state slot 0 the zero state). Every id is in exactly one of three states, tracked in an
+``int8`` status array so that ownership can be audited at any time:
+
+* ``FREE``: on the free list (a numpy stack; ``alloc``/``free`` are one slice each, O(1) calls
+  plus O(n) vectorised work for n ids);
+* ``HELD``: handed out by ``alloc`` to a request (running slot, planned snapshot slots, KV pages
+  of the tokens it computes). ``held_ids()`` lists them; that is how ``check_integrity`` accounts
+  for ids held by running requests without the engine passing them in;
+* ``TREE``: owned by the radix tree (``adopt`` moves HELD -> TREE, ``release`` TREE -> FREE).
+
+Misuse raises ``ValueError``: an id outside ``1..num_ids`` (foreign), a double free (id already
+FREE), freeing a tree-owned id through the request path, or duplicate ids in one call.
+``alloc`` never raises on a short pool: it returns ``None`` (back-pressure).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FREE, HELD, TREE, RESERVED = 0, 1, 2, 3
+_STATE_NAMES = {FREE: "free", HELD: "held by a request", TREE: "owned by the tree",
+                RESERVED: "reserved"}
+
+
+class IdAllocator:
+    """Free list of ``num_ids`` ids (``1..num_ids``); ``name`` appears in error messages."""
+
+    def __init__(self, num_ids: int, name: str = "id"):
+        if not isinstance(num_ids, int | np.integer) or num_ids < 1:
+            raise ValueError(f"{name} allocator needs num_ids >= 1, got {num_ids!r}")
+        self.name = name
+        self.num_ids = int(num_ids)
+        # Pop from the end: low ids are handed out first.
+        self._stack = np.arange(self.num_ids, 0, -1, dtype=np.int32)
+        self._top = self.num_ids
+        self._status = np.zeros(self.num_ids + 1, dtype=np.int8)
+        self._status[0] = RESERVED
+        self._num_held = 0
+        self._num_tree = 0
+
+    # ----------------------------------------------------------------------------- counts
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    @property
+    def num_held(self) -> int:
+        return self._num_held
+
+    @property
+    def num_tree(self) -> int:
+        return self._num_tree
+
+    def held_ids(self) -> np.ndarray:
+        """``int32[k]``: the ids currently handed out to requests, sorted."""
+        return np.flatnonzero(self._status == HELD).astype(np.int32)
+
+    def status_of(self, ids: np.ndarray) -> np.ndarray:
+        """``int8[n]``: FREE / HELD / TREE / RESERVED of each id (ids must be in range)."""
+        return self._status[self._validated(ids, "query")]
+
+    # ----------------------------------------------------------------------------- transitions
+    def alloc(self, num: int) -> np.ndarray | None:
+        """``int32[num]`` fresh ids (now HELD), or ``None`` if fewer than ``num`` are free."""
+        if num < 0:
+            raise ValueError(f"{self.name} alloc of a negative count {num}")
+        if num > self._top:
+            return None
+        ids = self._stack[self._top - num:self._top].copy()
+        self._top -= num
+        self._status[ids] = HELD
+        self._num_held += num
+        return ids
+
+    def free(self, ids) -> None:
+        """Return ids a request holds (HELD -> FREE)."""
+        ids = self._transition(ids, HELD, FREE, "free")
+        self._push(ids)
+        self._num_held -= len(ids)
+
+    def adopt(self, ids) -> None:
+        """The tree takes ownership of ids a request held (HELD -> TREE)."""
+        ids = self._transition(ids, HELD, TREE, "adopt")
+        self._num_held -= len(ids)
+        self._num_tree += len(ids)
+
+    def release(self, ids) -> None:
+        """The tree gives ids back to the free list (TREE -> FREE), e.g. on eviction."""
+        ids = self._transition(ids, TREE, FREE, "release")
+        self._push(ids)
+        self._num_tree -= len(ids)
+
+    # ----------------------------------------------------------------------------- internals
+    def _validated(self, ids, verb: str) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.size and (int(arr.min()) < 1 or int(arr.max()) > self.num_ids):
+            bad = arr[(arr < 1) | (arr > self.num_ids)]
+            raise ValueError(
+                f"{self.name} {verb}: foreign id(s) {bad.tolist()[:8]}, valid ids are "
+                f"1..{self.num_ids}"
+            )
+        return arr.astype(np.int32, copy=False)
+
+    def _transition(self, ids, expected: int, new: int, verb: str) -> np.ndarray:
+        arr = self._validated(ids, verb)
+        if arr.size == 0:
+            return arr
+        status = self._status[arr]
+        if not (status == expected).all():
+            i = int(np.flatnonzero(status != expected)[0])
+            what = "double free" if status[i] == FREE else "wrong owner"
+            raise ValueError(
+                f"{self.name} {verb}: {what}: id {int(arr[i])} is "
+                f"{_STATE_NAMES[int(status[i])]}, expected {_STATE_NAMES[expected]}"
+            )
+        if arr.size > 1 and len(set(arr.tolist())) != arr.size:
+            raise ValueError(f"{self.name} {verb}: duplicate ids in {arr.tolist()[:16]}")
+        self._status[arr] = new
+        return arr
+
+    def _push(self, ids: np.ndarray) -> None:
+        n = len(ids)
+        self._stack[self._top:self._top + n] = ids
+        self._top += n
+
+    def check(self) -> None:
+        """Audit the free list against the status array; ``AssertionError`` on any mismatch."""
+        free_ids = self._stack[:self._top]
+        counts = np.bincount(self._status, minlength=4)
+        if len(np.unique(free_ids)) != len(free_ids):
+            raise AssertionError(f"{self.name} free list holds duplicate ids")
+        if len(free_ids) and not (self._status[free_ids] == FREE).all():
+            raise AssertionError(f"{self.name} free list holds ids that are not FREE")
+        if counts[FREE] != self._top:
+            raise AssertionError(
+                f"{self.name}: {counts[FREE]} ids are FREE but the free list holds {self._top}"
+            )
+        if counts[HELD] != self._num_held or counts[TREE] != self._num_tree:
+            raise AssertionError(
+                f"{self.name}: status counts held={counts[HELD]} tree={counts[TREE]} differ from "
+                f"counters held={self._num_held} tree={self._num_tree}"
+            )
+        if counts[RESERVED] != 1 or self._status[0] != RESERVED:
+            raise AssertionError(f"{self.name}: id 0 must be the only reserved id")
+        if self._top + self._num_held + self._num_tree != self.num_ids:
+            raise AssertionError(
+                f"{self.name}: free {self._top} + held {self._num_held} + tree {self._num_tree} "
+                f"!= total {self.num_ids}"
+            )

@@ -1,0 +1,349 @@
+"""``MambaRadixCache``: a radix tree over token ids holding KV page ids and state snapshots.
+
+API (the engine calls exactly this; ids are numpy ``int32``, never ``jax.Array``)::
+
+    cache = make_cache(enable=True, num_pages=..., num_slots=..., page_size=1, eviction="lru")
+    m = cache.match_prefix(prompt_ids, extra_key=None)  # MatchResult (radix_node.py)
+    cache.lock(m.node)             # full lock on the path to the root + state lock on m.node
+    slots = cache.alloc_slots(n)   # evicts per the policy; None when impossible (never raises)
+    pages = cache.alloc_pages(n)
+    res = cache.insert(token_ids, page_ids, snapshots={pos: slot}, extra_key=None)  # InsertResult
+    cache.unlock(m.node)
+    cache.stats(); cache.check_integrity()
+
+Semantics (and the fixes versus SGLang's ``MambaRadixCache``):
+
+* ``match_prefix`` is read-only except for refreshing the ONE node whose state it returns (no
+  path refresh, no split). It walks the whole prompt (page by page), so an identical prompt hits
+  up to the deepest state at or before ``len(prompt) - 1``: identical prompts hit.
+* ``insert`` takes ownership of every page and slot passed: KV already in the tree is freed
+  (unless it is the tree's own page), KV past the deepest state of the sequence and the partial
+  last page are freed, rejected snapshots are freed. Accepted snapshots heal tombstones or split
+  edges. The tree keeps only whole pages; a leaf always ends in a state.
+* Eviction (``evict_pages`` / ``evict_slots``) follows the policy (``eviction.py``): KV eviction
+  removes unlocked leaves whole (state included) and then childless tombstones upward; state
+  eviction turns an internal node into a tombstone and removes a leaf whole.
+* ``extra_key`` namespaces the tree: each key has its own root.
+* Ids held by requests are tracked by the allocators (``HELD``), so ``check_integrity()`` needs no
+  arguments: tree + free lists + held ids must cover every id exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from mambacache.cache_base import CACHE_CLASSES, CacheBase, register_cache
+from mambacache.eviction import make_policy
+from mambacache.radix_integrity import check_tree
+from mambacache.radix_node import InsertResult, MatchResult, Node, make_root, path_pages
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def _as_tokens(ids) -> np.ndarray:
+    arr = np.asarray(ids, dtype=np.int32)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+@register_cache(True)
+class MambaRadixCache(CacheBase):
+    """Radix tree of KV pages and state snapshots; see the module docstring."""
+
+    def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
+                 eviction: str = "lru", **policy_kwargs: Any):
+        super().__init__(num_pages, num_slots, page_size)
+        self.policy = make_policy(eviction, **policy_kwargs)
+        self.roots: dict[Any, Node] = {None: make_root()}
+        self.lru_all: OrderedDict[Node, None] = OrderedDict()  # every node, oldest first
+        self.lru_state: OrderedDict[Node, None] = OrderedDict()  # nodes with a state
+        self._locked_pages = 0  # pages of nodes with full_lock_ref > 0
+        self._locked_slots = 0  # slots of nodes with mamba_lock_ref > 0
+
+    # --------------------------------------------------------------------------- counts
+    def evictable_pages(self) -> int:
+        return self.pages.num_tree - self._locked_pages
+
+    def evictable_slots(self) -> int:
+        return self.slots.num_tree - self._locked_slots
+
+    def locked_pages(self) -> int:
+        return self._locked_pages
+
+    def locked_slots(self) -> int:
+        return self._locked_slots
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["tree_nodes"] = len(self.lru_all)
+        out["tree_states"] = len(self.lru_state)
+        return out
+
+    def check_integrity(self) -> None:
+        """Rebuild every count and both orders from the tree and compare (``AssertionError``)."""
+        check_tree(self)
+        self._check_accounting()
+
+    # --------------------------------------------------------------------------- walking
+    def _walk(self, root: Node, tokens: np.ndarray, limit: int):
+        """Follow ``tokens[:limit]`` (``limit`` a page multiple) down from ``root``.
+
+        Returns ``(path, shared_end, partial, partial_len)``: the nodes matched whole, the number
+        of tokens found in the tree (page multiple), and the child whose edge the tokens leave
+        after ``partial_len`` tokens (``None`` if they leave at a node boundary).
+        """
+        ps = self.page_size
+        node, pos, path = root, 0, []
+        while pos < limit:
+            child = node.children.get(tokens[pos:pos + ps].tobytes())
+            if child is None:
+                break
+            klen = len(child.key)
+            n = min(klen, limit - pos)
+            seg = tokens[pos:pos + n]
+            key = child.key if n == klen else child.key[:n]
+            if key.tobytes() == seg.tobytes():
+                same = n
+            else:
+                same = int(np.flatnonzero(key != seg)[0]) // ps * ps
+            if same < klen:
+                return path, pos + same, child, same
+            path.append(child)
+            node, pos = child, pos + klen
+        return path, pos, None, 0
+
+    def _node_ending_at(self, root: Node, tokens: np.ndarray, pos: int) -> Node:
+        """The node ending exactly at ``pos`` on the (existing) path of ``tokens``; splits."""
+        ps = self.page_size
+        node, depth = root, 0
+        while depth < pos:
+            child = node.children[tokens[depth:depth + ps].tobytes()]
+            end = depth + len(child.key)
+            if end > pos:
+                return self._split(child, pos - depth)
+            node, depth = child, end
+        return node
+
+    def _split(self, child: Node, offset: int) -> Node:
+        """Cut ``child``'s edge after ``offset`` tokens; returns the new upper node (tombstone).
+
+        ``child`` keeps its identity, state and locks (a locked node stays valid); the upper node
+        inherits ``child.full_lock_ref`` since every lock below it passes through it.
+        """
+        ps = self.page_size
+        parent = child.parent
+        upper = Node(child.key[:offset], child.pages[:offset // ps], parent,
+                     child.depth - len(child.key) + offset, child.extra_key)
+        upper.full_lock_ref = child.full_lock_ref
+        child.key = child.key[offset:]
+        child.pages = child.pages[offset // ps:]
+        child.parent = upper
+        parent.children[upper.key[:ps].tobytes()] = upper
+        upper.children[child.key[:ps].tobytes()] = child
+        self.lru_all[upper] = None
+        return upper
+
+    def _touch(self, node: Node) -> None:
+        self.lru_all.move_to_end(node)
+        if node.slot is not None:
+            self.lru_state.move_to_end(node)
+
+    # --------------------------------------------------------------------------- match
+    def match_prefix(self, prompt_ids, extra_key: Any = None) -> MatchResult:
+        """Longest cached prefix of ``prompt_ids`` that has a state; see ``MatchResult``."""
+        tokens = _as_tokens(prompt_ids)
+        root = self.roots.get(extra_key)
+        if root is None or len(tokens) < 2:
+            return MatchResult(0, _EMPTY, None, root or self.roots[None], 0)
+        limit = len(tokens) // self.page_size * self.page_size
+        path, shared_end, _, _ = self._walk(root, tokens, limit)
+        cap = len(tokens) - 1
+        for i in range(len(path) - 1, -1, -1):
+            node = path[i]
+            if node.slot is not None and node.depth <= cap:
+                self._touch(node)
+                pages = path[0].pages if i == 0 else np.concatenate([n.pages for n in path[:i + 1]])
+                return MatchResult(node.depth, pages, node.slot, node, shared_end)
+        return MatchResult(0, _EMPTY, None, root, shared_end)
+
+    # --------------------------------------------------------------------------- locks
+    def lock(self, node: Node) -> None:
+        """Protect ``node``'s state and the KV of its path to the root until ``unlock``."""
+        if node.parent is None:
+            return
+        if not node.alive or node.slot is None:
+            raise ValueError(f"lock: {node!r} is {'evicted' if not node.alive else 'a tombstone'}")
+        if node.mamba_lock_ref == 0:
+            self._locked_slots += 1
+        node.mamba_lock_ref += 1
+        while node.parent is not None:
+            if node.full_lock_ref == 0:
+                self._locked_pages += len(node.pages)
+            node.full_lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        if node.parent is None:
+            return
+        if not node.alive or node.mamba_lock_ref <= 0:
+            raise ValueError(f"unlock: {node!r} is not locked")
+        node.mamba_lock_ref -= 1
+        if node.mamba_lock_ref == 0:
+            self._locked_slots -= 1
+        while node.parent is not None:
+            node.full_lock_ref -= 1
+            if node.full_lock_ref == 0:
+                self._locked_pages -= len(node.pages)
+            node = node.parent
+
+    # --------------------------------------------------------------------------- insert
+    def insert(self, token_ids, page_ids, snapshots: dict[int, int] | None = None,
+               extra_key: Any = None) -> InsertResult:
+        """Cache ``token_ids`` (their KV in ``page_ids``) with state snapshots ``{pos: slot}``.
+
+        ``page_ids``: ``int32[ceil(len(token_ids) / page_size)]``. Takes ownership of every page
+        and slot passed; see ``InsertResult`` for what was kept.
+        """
+        ps = self.page_size
+        tokens, pages = _as_tokens(token_ids), np.asarray(page_ids, dtype=np.int32)
+        whole = len(tokens) // ps * ps
+        if pages.shape != (-(-len(tokens) // ps),):
+            raise ValueError(f"insert: {len(tokens)} tokens need {-(-len(tokens) // ps)} pages of "
+                             f"{ps}, got page_ids of shape {pages.shape}")
+        root = self.roots.get(extra_key)
+        if root is None:
+            root = self.roots[extra_key] = make_root(extra_key)
+        path, shared_end, partial, partial_len = self._walk(root, tokens, whole)
+        accepted, rejected = self._classify(snapshots or {}, path, shared_end, whole)
+        kept = max([n.depth for n in path if n.slot is not None] + accepted + [0])
+        new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept)
+        snaps = snapshots or {}
+        self.slots.free(np.array([snaps[p] for p in rejected], dtype=np.int32))
+        self.slots.adopt(np.array([snaps[p] for p in accepted], dtype=np.int32))
+        if kept > shared_end:
+            parent = self._split(partial, partial_len) if partial is not None else (
+                path[-1] if path else root)
+            leaf = Node(tokens[shared_end:kept].copy(), new_pages, parent, kept, extra_key)
+            parent.children[leaf.key[:ps].tobytes()] = leaf
+            self.lru_all[leaf] = None
+        for pos in accepted:
+            node = self._node_ending_at(root, tokens, pos)
+            node.slot = int(snaps[pos])
+            self.lru_state[node] = None
+            self._touch(node)
+        self.counters["snapshots_kept"] += len(accepted)
+        self.counters["snapshots_rejected"] += len(rejected)
+        end = self._node_ending_at(root, tokens, kept) if kept else root
+        return InsertResult(kept, end, path_pages(end), tuple(accepted), tuple(rejected),
+                            len(new_pages), num_freed)
+
+    def _classify(self, snapshots: dict[int, int], path: list[Node], shared_end: int,
+                  whole: int) -> tuple[list[int], list[int]]:
+        """Split snapshot positions into accepted and rejected (both sorted)."""
+        ps = self.page_size
+        by_depth = {n.depth: n for n in path}
+        accepted, rejected = [], []
+        for pos in sorted(snapshots):
+            ok = isinstance(pos, int | np.integer) and pos % ps == 0 and 0 < pos <= whole
+            if ok and pos <= shared_end:
+                node = by_depth.get(pos)
+                ok = node is None or node.slot is None
+            (accepted if ok else rejected).append(int(pos))
+        return accepted, rejected
+
+    def _take_ids(self, pages: np.ndarray, path: list[Node], shared_end: int,
+                  partial: Node | None, partial_len: int, kept: int) -> tuple[np.ndarray, int]:
+        """Free duplicate / surplus pages; adopt the new ones ``[shared_end, kept)``.
+
+        Returns ``(new_pages, num_freed)``.
+        """
+        ps = self.page_size
+        n_shared = shared_end // ps
+        parts = [n.pages for n in path]
+        if partial is not None:
+            parts.append(partial.pages[:partial_len // ps])
+        tree = np.concatenate(parts) if parts else _EMPTY
+        dup = pages[:n_shared]
+        to_free = np.concatenate([dup[dup != tree], pages[max(shared_end, kept) // ps:]])
+        new = pages[n_shared:kept // ps] if kept > shared_end else _EMPTY
+        self.pages.free(to_free)
+        self.pages.adopt(new)
+        return new.copy(), len(to_free)
+
+    # --------------------------------------------------------------------------- eviction
+    def evict_pages(self, num: int) -> int:
+        """Free at least ``num`` KV pages if possible (policy order); returns pages freed."""
+        freed = 0
+        while freed < num:
+            victims = self.policy.page_victims(self, num - freed)
+            if not victims:
+                break
+            for node in victims:
+                if node.alive and not node.children and node.full_lock_ref == 0:
+                    freed += self._remove_leaf(node)
+                    if freed >= num:
+                        break
+        return freed
+
+    def evict_slots(self, num: int) -> int:
+        """Free at least ``num`` state slots if possible (policy order); returns slots freed."""
+        freed = 0
+        while freed < num:
+            victims = self.policy.state_victims(self, num - freed)
+            if not victims:
+                break
+            for node in victims:
+                if not node.alive or node.slot is None or node.mamba_lock_ref:
+                    continue
+                if node.children:
+                    self._drop_state(node)
+                else:
+                    self._remove_leaf(node)
+                freed += 1
+                if freed >= num:
+                    break
+        return freed
+
+    def _drop_state(self, node: Node) -> None:
+        self.slots.release(np.array([node.slot], dtype=np.int32))
+        del self.lru_state[node]
+        node.slot = None
+        self.counters["snapshots_evicted"] += 1
+
+    def _remove_leaf(self, node: Node) -> int:
+        """Remove an unlocked leaf whole, then childless tombstones upward; returns pages freed."""
+        ps, freed = self.page_size, 0
+        while True:
+            parent = node.parent
+            del parent.children[node.key[:ps].tobytes()]
+            self.pages.release(node.pages)
+            freed += len(node.pages)
+            del self.lru_all[node]
+            if node.slot is not None:
+                self._drop_state(node)
+            node.alive = False
+            if parent.parent is None or parent.children or parent.slot is not None:
+                break
+            node = parent
+        self.counters["pages_evicted"] += freed
+        return freed
+
+
+def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page_size: int = 1,
+               eviction: str = "lru", **policy_kwargs: Any) -> CacheBase:
+    """Build the cache registered for ``enable`` (``True``: radix, ``False``: disabled)."""
+    import mambacache.disabled_cache  # noqa: F401  (registers the disabled cache)
+
+    if enable not in CACHE_CLASSES:
+        raise ValueError(f"no cache registered for enable={enable!r}; have {list(CACHE_CLASSES)}")
+    return CACHE_CLASSES[enable](num_pages, num_slots, page_size, eviction, **policy_kwargs)
+
+
+def make_cache_from_config(cache_cfg: Any, **policy_kwargs: Any) -> CacheBase:
+    """``make_cache`` from a ``mambacache.config.CacheConfig``."""
+    return make_cache(cache_cfg.enable, cache_cfg.num_pages, cache_cfg.num_mamba_slots,
+                      cache_cfg.page_size, cache_cfg.eviction, **policy_kwargs)

@@ -1,0 +1,72 @@
+"""Which state snapshots a request keeps: ONE plan, used by the engine and the simulator alike.
+
+Positions are token counts: position ``p`` is "the state after the first ``p`` tokens". Every
+position is rounded DOWN to a page boundary (the tree keeps whole pages only).
+
+* ``plan_snapshots``: during prefill, the positions strictly between ``cached_len`` and
+  ``prompt_len``: the branch point (``branch_len``, where the prompt leaves the tree), the state
+  after ``prompt_len - 1`` tokens (so an identical prompt later hits all but its last token), and
+  every ``checkpoint_interval`` tokens (absolute multiples, so requests agree on positions).
+* ``end_snapshot_position``: the end of a finished request, the state after
+  ``prompt_len + output_len - 1`` tokens (the last sampled token is never fed to the model).
+* ``assign_snapshot_slots``: one slot per planned position from ``cache.alloc_slots``; positions
+  that get none are skipped and counted (``cache.record_skipped``). The branch point and
+  ``prompt_len - 1`` are served first, then checkpoints from the deepest down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _floor(pos: int, page_size: int) -> int:
+    return pos // page_size * page_size
+
+
+def plan_snapshots(prompt_len: int, cached_len: int, branch_len: int, page_size: int,
+                   checkpoint_interval: int = 0) -> list[int]:
+    """Sorted unique snapshot positions ``p``, ``cached_len < p < prompt_len``, page aligned."""
+    if page_size < 1 or checkpoint_interval < 0:
+        raise ValueError(f"page_size must be >= 1 and checkpoint_interval >= 0, got "
+                         f"{page_size} and {checkpoint_interval}")
+    if not 0 <= cached_len <= branch_len or cached_len > max(prompt_len - 1, 0):
+        raise ValueError(f"need 0 <= cached_len ({cached_len}) <= branch_len ({branch_len}) and "
+                         f"cached_len <= prompt_len - 1 ({prompt_len - 1})")
+    cands = {_floor(branch_len, page_size), _floor(prompt_len - 1, page_size)}
+    if checkpoint_interval:
+        step = checkpoint_interval
+        first = (cached_len // step + 1) * step
+        cands.update(_floor(p, page_size) for p in range(first, prompt_len, step))
+    return sorted(p for p in cands if cached_len < p < prompt_len)
+
+
+def end_snapshot_position(total_len: int, page_size: int) -> int:
+    """Position of the end snapshot of a request of ``total_len = prompt + output`` tokens."""
+    if total_len < 1 or page_size < 1:
+        raise ValueError(f"need total_len >= 1 and page_size >= 1, got {total_len}, {page_size}")
+    return _floor(total_len - 1, page_size)
+
+
+def end_snapshot_is_running_state(total_len: int, page_size: int) -> bool:
+    """True when the running state after ``total_len - 1`` tokens IS the end snapshot (aligned),
+    so the engine can hand its running slot to ``insert`` instead of freeing it."""
+    return (total_len - 1) % page_size == 0 and total_len > 1
+
+
+def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | None = None,
+                          prompt_len: int | None = None, page_size: int = 1) -> dict[int, int]:
+    """``{position: slot}`` for the positions that got a slot; the rest are counted as skipped."""
+    preferred = set()
+    if branch_len is not None:
+        preferred.add(_floor(branch_len, page_size))
+    if prompt_len is not None:
+        preferred.add(_floor(prompt_len - 1, page_size))
+    order = sorted(positions, key=lambda p: (p not in preferred, -p))
+    out: dict[int, int] = {}
+    for i, pos in enumerate(order):
+        got = cache.alloc_slots(1)
+        if got is None:
+            cache.record_skipped(len(order) - i)
+            break
+        out[pos] = int(got[0])
+    return out
