@@ -46,7 +46,47 @@ def state_targets(cu_seqlens: jax.Array, write_slot: jax.Array, snap_seq: jax.Ar
     return seq, offset, slot
 
 
+def copy_empty_targets(pool, cu_seqlens, read_slot, t_seq, t_slot):
+    """States written for empty sequences are copies of their initial state (no chunk has
+    them): ``pool[t_slot] <- pool[read_slot[t_seq]]`` where the sequence is empty."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    dst = jnp.where(lens[t_seq] == 0, t_slot, 0)
+    return pool.at[drop_slot(dst, pool.shape[0])].set(pool[read_slot[t_seq]], mode="drop")
+
+
 def check(cond: bool, msg: str) -> None:
     """Raise ``ValueError(msg)`` unless ``cond`` (static shape checks of the public wrappers)."""
     if not cond:
         raise ValueError(msg)
+
+
+def chunk_layout(cu_seqlens, num_tokens: int, chunk_size: int, num_chunks: int):
+    """Cut every sequence into chunks of ``chunk_size`` that never span two sequences.
+
+    Returns ``(gather [NC, BT] token index or T for zero rows, chunk_seq [NC], first [NC] int32,
+    chunk_off [B+1] first chunk of each sequence)``.
+    """
+    num_seqs = cu_seqlens.shape[0] - 1
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunk_off = jnp.concatenate([jnp.zeros(1, jnp.int32),
+                                 jnp.cumsum(-(-lens // chunk_size)).astype(jnp.int32)])
+    c = jnp.arange(num_chunks, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(chunk_off, c, side="right") - 1, 0, num_seqs - 1)
+    used = c < chunk_off[-1]
+    local = (c - chunk_off[seq])[:, None] * chunk_size + jnp.arange(chunk_size)
+    valid = used[:, None] & (local < lens[seq][:, None])
+    gather = jnp.where(valid, cu_seqlens[seq][:, None] + local, num_tokens)
+    first = (used & (c == chunk_off[seq])).astype(jnp.int32)
+    return gather, seq.astype(jnp.int32), first, chunk_off
+
+
+def chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot, chunk_size, num_chunks):
+    """Sort the written states by chunk. Returns CSR ``(start [NC+1], row [J], slot [J])``:
+    the state after ``row`` (0..BT) tokens of the chunk goes to ``slot``."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    inner = jnp.where(t_off > 0, (t_off - 1) // chunk_size, 0)
+    chunk = jnp.where(lens[t_seq] > 0, chunk_off[t_seq] + inner, num_chunks)
+    order = jnp.argsort(chunk, stable=True)
+    start = jnp.searchsorted(chunk[order], jnp.arange(num_chunks + 1), side="left")
+    row = (t_off - inner * chunk_size)[order]
+    return start.astype(jnp.int32), row.astype(jnp.int32), t_slot[order]

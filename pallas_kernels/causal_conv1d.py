@@ -6,10 +6,21 @@ sequence sees inputs ``t-K+1 .. t``; indices below 0 come from the initial windo
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import drop_slot, state_targets, token_seq_ids
+from pallas_kernels._common import (
+    check,
+    chunk_layout,
+    chunk_targets,
+    copy_empty_targets,
+    drop_slot,
+    state_targets,
+    token_seq_ids,
+)
+from pallas_kernels.conv_kernels import conv_chunk_call, conv_decode_call
 
 
 def _gather_inputs(x, init, cu_seqlens, seq, local):
@@ -59,3 +70,73 @@ def causal_conv1d_decode_reference(x, weight, bias, conv_pool, read_slot, write_
     pool = conv_pool.at[drop_slot(write_slot, conv_pool.shape[0])].set(
         cols[:, 1:].astype(conv_pool.dtype), mode="drop")
     return y, pool
+
+
+def _check_conv(x, weight, bias, conv_pool):
+    channels = x.shape[-1]
+    kernel = weight.shape[0]
+    check(weight.shape == (kernel, channels) and kernel >= 2,
+          f"weight shape {weight.shape} must be [K >= 2, {channels}]")
+    check(bias is None or bias.shape == (channels,), f"bias shape must be ({channels},)")
+    check(conv_pool.shape[1:] == (kernel - 1, channels),
+          f"conv_pool shape {conv_pool.shape} must be [N, {kernel - 1}, {channels}]")
+    check(conv_pool.dtype == x.dtype,
+          f"conv_pool dtype {conv_pool.dtype} must equal x dtype {x.dtype}")
+
+
+def _bias_row(bias, channels):
+    return (jnp.zeros((1, channels), jnp.float32) if bias is None
+            else bias.reshape(1, channels).astype(jnp.float32))
+
+
+def _block_channels(channels: int) -> int:
+    return 128 if channels % 128 == 0 else channels
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+                   donate_argnames=("conv_pool",))
+def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot,
+                         snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
+                         interpret: bool = False):
+    """Pallas chunked prefill; same contract as the reference. Returns ``(y, conv_pool)``."""
+    _check_conv(x, weight, bias, conv_pool)
+    check(chunk_size % 8 == 0 and chunk_size > 0,
+          f"chunk_size {chunk_size} must be a positive multiple of 8")
+    num_tokens, channels = x.shape
+    width = weight.shape[0] - 1
+    num_seqs = read_slot.shape[0]
+    num_chunks = min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
+    _, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    c = jnp.arange(num_chunks)
+    local = (c - chunk_off[cseq])[:, None] * chunk_size + jnp.arange(-width, chunk_size)
+    src = jnp.where(local < 0, num_tokens + cseq[:, None] * width + width + local,
+                    cu_seqlens[cseq][:, None] + local)
+    keep = (c < chunk_off[-1])[:, None] & (local < lens[cseq][:, None])
+    src = jnp.where(keep, src, num_tokens + num_seqs * width)
+    table = jnp.concatenate([x, conv_pool[read_slot].reshape(-1, channels),
+                             jnp.zeros((1, channels), x.dtype)])
+    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
+                                         snap_slot)
+    conv_pool = copy_empty_targets(conv_pool, cu_seqlens, read_slot, t_seq, t_slot)
+    tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
+                                        chunk_size, num_chunks)
+    y_c, conv_pool = conv_chunk_call(tstart, trow, tslot, table[src], weight,
+                                     _bias_row(bias, channels), conv_pool,
+                                     block_channels=_block_channels(channels),
+                                     interpret=interpret)
+    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
+    tok = jnp.arange(num_tokens) - cu_seqlens[seq]
+    y = y_c[chunk_off[seq] + tok // chunk_size, tok % chunk_size]
+    return jnp.where(valid[:, None], y, 0).astype(x.dtype), conv_pool
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("conv_pool",))
+def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *,
+                         interpret: bool = False):
+    """Pallas decode (one token per sequence); same contract as the reference."""
+    _check_conv(x, weight, bias, conv_pool)
+    num_seqs, channels = x.shape
+    y, conv_pool = conv_decode_call(read_slot, write_slot, x[:, None, :], weight,
+                                    _bias_row(bias, channels), conv_pool, interpret=interpret)
+    return y[:, 0, :], conv_pool

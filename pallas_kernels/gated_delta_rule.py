@@ -12,7 +12,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check, drop_slot, l2norm, state_targets, token_seq_ids
+from pallas_kernels._common import (
+    check,
+    chunk_layout,
+    chunk_targets,
+    copy_empty_targets,
+    drop_slot,
+    l2norm,
+    state_targets,
+    token_seq_ids,
+)
 from pallas_kernels.gdr_chunk import gdr_chunk_call
 
 
@@ -89,38 +98,6 @@ def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, wri
     return o.astype(v.dtype), pool
 
 
-def _chunk_layout(cu_seqlens, num_tokens: int, chunk_size: int, num_chunks: int):
-    """Cut every sequence into chunks of ``chunk_size`` that never span two sequences.
-
-    Returns ``(gather [NC, BT] token index or T for zero rows, chunk_seq [NC], first [NC] int32,
-    chunk_off [B+1] first chunk of each sequence)``.
-    """
-    num_seqs = cu_seqlens.shape[0] - 1
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunk_off = jnp.concatenate([jnp.zeros(1, jnp.int32),
-                                 jnp.cumsum(-(-lens // chunk_size)).astype(jnp.int32)])
-    c = jnp.arange(num_chunks, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(chunk_off, c, side="right") - 1, 0, num_seqs - 1)
-    used = c < chunk_off[-1]
-    local = (c - chunk_off[seq])[:, None] * chunk_size + jnp.arange(chunk_size)
-    valid = used[:, None] & (local < lens[seq][:, None])
-    gather = jnp.where(valid, cu_seqlens[seq][:, None] + local, num_tokens)
-    first = (used & (c == chunk_off[seq])).astype(jnp.int32)
-    return gather, seq.astype(jnp.int32), first, chunk_off
-
-
-def _chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot, chunk_size, num_chunks):
-    """Sort the written states by chunk. Returns CSR ``(start [NC+1], row [J], slot [J])``:
-    the state after ``row`` (0..BT) tokens of the chunk goes to ``slot``."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    inner = jnp.where(t_off > 0, (t_off - 1) // chunk_size, 0)
-    chunk = jnp.where(lens[t_seq] > 0, chunk_off[t_seq] + inner, num_chunks)
-    order = jnp.argsort(chunk, stable=True)
-    start = jnp.searchsorted(chunk[order], jnp.arange(num_chunks + 1), side="left")
-    row = (t_off - inner * chunk_size)[order]
-    return start.astype(jnp.int32), row.astype(jnp.int32), t_slot[order]
-
-
 def _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size):
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -145,16 +122,12 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     num_tokens, num_heads, _ = v.shape
     num_seqs = read_slot.shape[0]
     num_chunks = min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
-    gather, cseq, first, chunk_off = _chunk_layout(cu_seqlens, num_tokens, chunk_size,
+    gather, cseq, first, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size,
                                                    num_chunks)
     t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
                                          snap_slot)
-    # States of empty sequences are copies of their initial state: no chunk computes them.
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    empty_dst = jnp.where(lens[t_seq] == 0, t_slot, 0)
-    ssm_pool = ssm_pool.at[drop_slot(empty_dst, ssm_pool.shape[0])].set(
-        ssm_pool[read_slot[t_seq]], mode="drop")
-    tstart, trow, tslot = _chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
+    ssm_pool = copy_empty_targets(ssm_pool, cu_seqlens, read_slot, t_seq, t_slot)
+    tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
                                          chunk_size, num_chunks)
 
     def chunked(x):  # [T, H, ...] -> [H, NC, BT, ...] with zero rows

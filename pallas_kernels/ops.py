@@ -18,8 +18,7 @@ from pallas_kernels import paged_attention as _attn
 
 IMPLS = ("pallas", "reference")
 PALLAS_FALLBACK: frozenset[str] = frozenset(
-    {"gated_delta_rule_decode", "causal_conv1d_extend",
-     "causal_conv1d_decode", "paged_attention"})
+    {"gated_delta_rule_decode", "paged_attention"})
 
 
 def resolve_impl(kernels: str) -> str:
