@@ -18,7 +18,7 @@ from pallas_kernels import paged_attention as _attn
 
 IMPLS = ("pallas", "reference")
 PALLAS_FALLBACK: frozenset[str] = frozenset(
-    {"gated_delta_rule_decode", "paged_attention"})
+    {"paged_attention"})
 
 
 def resolve_impl(kernels: str) -> str:
