@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-FREE, HELD, TREE, RESERVED = 0, 1, 2, 3
+FREE, HELD, TREE, RESERVED, FOREIGN = 0, 1, 2, 3, 4
 _STATE_NAMES = {FREE: "free", HELD: "held by a request", TREE: "owned by the tree",
-                RESERVED: "reserved"}
+                RESERVED: "reserved", FOREIGN: "foreign"}
+_BYTE = {k: bytes([k]) for k in _STATE_NAMES}
 
 
 class IdAllocator:
@@ -36,8 +37,13 @@ class IdAllocator:
         # Pop from the end: low ids are handed out first.
         self._stack = np.arange(self.num_ids, 0, -1, dtype=np.int32)
         self._top = self.num_ids
-        self._status = np.zeros(self.num_ids + 1, dtype=np.int8)
+        # status of ids 0..num_ids, then FOREIGN entries so that a negative or too large id
+        # looked up by fancy indexing lands on FOREIGN (or raises IndexError) instead of wrapping
+        self._status = np.full(2 * self.num_ids + 2, FOREIGN, dtype=np.int8)
+        self._status[1:self.num_ids + 1] = FREE
         self._status[0] = RESERVED
+        self._mark = np.zeros(self.num_ids + 1, dtype=np.int32)
+        self._arange = np.arange(self.num_ids + 1, dtype=np.int32)
         self._num_held = 0
         self._num_tree = 0
 
@@ -56,7 +62,7 @@ class IdAllocator:
 
     def held_ids(self) -> np.ndarray:
         """``int32[k]``: the ids currently handed out to requests, sorted."""
-        return np.flatnonzero(self._status == HELD).astype(np.int32)
+        return np.flatnonzero(self._status[:self.num_ids + 1] == HELD).astype(np.int32)
 
     def status_of(self, ids: np.ndarray) -> np.ndarray:
         """``int8[n]``: FREE / HELD / TREE / RESERVED of each id (ids must be in range)."""
@@ -95,9 +101,9 @@ class IdAllocator:
 
     # ----------------------------------------------------------------------------- internals
     def _validated(self, ids, verb: str) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.ndim == 0:
-            arr = arr.reshape(1)
+        arr = ids if type(ids) is np.ndarray and ids.dtype == np.int32 else np.asarray(ids)
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)
         if arr.size and (int(arr.min()) < 1 or int(arr.max()) > self.num_ids):
             bad = arr[(arr < 1) | (arr > self.num_ids)]
             raise ValueError(
@@ -107,21 +113,40 @@ class IdAllocator:
         return arr.astype(np.int32, copy=False)
 
     def _transition(self, ids, expected: int, new: int, verb: str) -> np.ndarray:
-        arr = self._validated(ids, verb)
-        if arr.size == 0:
-            return arr
-        status = self._status[arr]
-        if not (status == expected).all():
-            i = int(np.flatnonzero(status != expected)[0])
-            what = "double free" if status[i] == FREE else "wrong owner"
-            raise ValueError(
-                f"{self.name} {verb}: {what}: id {int(arr[i])} is "
-                f"{_STATE_NAMES[int(status[i])]}, expected {_STATE_NAMES[expected]}"
-            )
-        if arr.size > 1 and len(set(arr.tolist())) != arr.size:
-            raise ValueError(f"{self.name} {verb}: duplicate ids in {arr.tolist()[:16]}")
-        self._status[arr] = new
-        return arr
+        if type(ids) is not np.ndarray or ids.dtype != np.int32 or ids.ndim != 1:
+            ids = self._validated(ids, verb)
+        n = ids.size
+        if n == 0:
+            return ids
+        try:  # viewed as uint32, a negative id raises IndexError; num_ids < id <= 2 num_ids + 1
+            status = self._status[ids.view(np.uint32)]  # lands on FOREIGN; larger ones raise
+        except IndexError:
+            status = None
+        if status is None or status.tobytes() != _BYTE[expected] * n:
+            self._validated(ids, verb)  # raises on a foreign id
+            self._raise_status(ids, status, expected, verb)
+        if n > 1:  # duplicates: scatter positions, gather back; a repeat keeps its last position
+            positions = self._arange[:n]
+            self._mark[ids] = positions
+            if self._mark[ids].tobytes() != positions.tobytes():
+                raise ValueError(f"{self.name} {verb}: duplicate ids in {ids.tolist()[:16]}")
+        self._status[ids] = new
+        return ids
+
+    def _raise_status(self, arr: np.ndarray, status: np.ndarray, expected: int, verb: str):
+        i = int(np.flatnonzero(status != expected)[0])
+        what = "double free" if status[i] == FREE else "wrong owner"
+        raise ValueError(
+            f"{self.name} {verb}: {what}: id {int(arr[i])} is "
+            f"{_STATE_NAMES[int(status[i])]}, expected {_STATE_NAMES[expected]}"
+        )
+
+    def release_trusted(self, ids: np.ndarray) -> None:
+        """``release`` without checks, for ids the tree itself hands back (eviction); the
+        integrity check audits them."""
+        self._status[ids] = FREE
+        self._push(ids)
+        self._num_tree -= len(ids)
 
     def _push(self, ids: np.ndarray) -> None:
         n = len(ids)
@@ -131,7 +156,7 @@ class IdAllocator:
     def check(self) -> None:
         """Audit the free list against the status array; ``AssertionError`` on any mismatch."""
         free_ids = self._stack[:self._top]
-        counts = np.bincount(self._status, minlength=4)
+        counts = np.bincount(self._status[:self.num_ids + 1], minlength=5)
         if len(np.unique(free_ids)) != len(free_ids):
             raise AssertionError(f"{self.name} free list holds duplicate ids")
         if len(free_ids) and not (self._status[free_ids] == FREE).all():
@@ -145,7 +170,8 @@ class IdAllocator:
                 f"{self.name}: status counts held={counts[HELD]} tree={counts[TREE]} differ from "
                 f"counters held={self._num_held} tree={self._num_tree}"
             )
-        if counts[RESERVED] != 1 or self._status[0] != RESERVED:
+        if counts[RESERVED] != 1 or self._status[0] != RESERVED or counts[FOREIGN] or (
+                self._status[self.num_ids + 1:] != FOREIGN).any():
             raise AssertionError(f"{self.name}: id 0 must be the only reserved id")
         if self._top + self._num_held + self._num_tree != self.num_ids:
             raise AssertionError(

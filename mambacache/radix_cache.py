@@ -38,7 +38,7 @@ import numpy as np
 from mambacache.cache_base import CACHE_CLASSES, CacheBase, register_cache
 from mambacache.eviction import make_policy
 from mambacache.radix_integrity import check_tree
-from mambacache.radix_node import InsertResult, MatchResult, Node, make_root, path_pages
+from mambacache.radix_node import InsertResult, MatchResult, Node, make_root
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -116,17 +116,20 @@ class MambaRadixCache(CacheBase):
             node, pos = child, pos + klen
         return path, pos, None, 0
 
-    def _node_ending_at(self, root: Node, tokens: np.ndarray, pos: int) -> Node:
-        """The node ending exactly at ``pos`` on the (existing) path of ``tokens``; splits."""
+    def _nodes_ending_at(self, root: Node, tokens: np.ndarray, positions: list[int]) -> list[Node]:
+        """The nodes ending exactly at each of the sorted ``positions`` on the (existing) path of
+        ``tokens``, splitting edges as needed; position 0 is the root."""
         ps = self.page_size
-        node, depth = root, 0
-        while depth < pos:
-            child = node.children[tokens[depth:depth + ps].tobytes()]
-            end = depth + len(child.key)
-            if end > pos:
-                return self._split(child, pos - depth)
-            node, depth = child, end
-        return node
+        node, depth, out = root, 0, []
+        for pos in positions:
+            while depth < pos:
+                child = node.children[tokens[depth:depth + ps].tobytes()]
+                end = depth + len(child.key)
+                if end > pos:
+                    child, end = self._split(child, pos - depth), pos
+                node, depth = child, end
+            out.append(node)
+        return out
 
     def _split(self, child: Node, offset: int) -> Node:
         """Cut ``child``'s edge after ``offset`` tokens; returns the new upper node (tombstone).
@@ -230,16 +233,15 @@ class MambaRadixCache(CacheBase):
             leaf = Node(tokens[shared_end:kept].copy(), new_pages, parent, kept, extra_key)
             parent.children[leaf.key[:ps].tobytes()] = leaf
             self.lru_all[leaf] = None
-        for pos in accepted:
-            node = self._node_ending_at(root, tokens, pos)
+        nodes = self._nodes_ending_at(root, tokens, accepted + [kept])
+        for pos, node in zip(accepted, nodes, strict=False):
             node.slot = int(snaps[pos])
             self.lru_state[node] = None
-            self._touch(node)
+            self.lru_all.move_to_end(node)
         self.counters["snapshots_kept"] += len(accepted)
         self.counters["snapshots_rejected"] += len(rejected)
-        end = self._node_ending_at(root, tokens, kept) if kept else root
-        return InsertResult(kept, end, path_pages(end), tuple(accepted), tuple(rejected),
-                            len(new_pages), num_freed)
+        return InsertResult(kept, nodes[-1], tuple(accepted), tuple(rejected), len(new_pages),
+                            num_freed)
 
     def _classify(self, snapshots: dict[int, int], path: list[Node], shared_end: int,
                   whole: int) -> tuple[list[int], list[int]]:
@@ -263,12 +265,16 @@ class MambaRadixCache(CacheBase):
         """
         ps = self.page_size
         n_shared = shared_end // ps
-        parts = [n.pages for n in path]
-        if partial is not None:
-            parts.append(partial.pages[:partial_len // ps])
-        tree = np.concatenate(parts) if parts else _EMPTY
-        dup = pages[:n_shared]
-        to_free = np.concatenate([dup[dup != tree], pages[max(shared_end, kept) // ps:]])
+        nodes = path + [partial] if partial is not None else path
+        to_free, offset = [], 0
+        for node in nodes:  # pages equal to the tree's are the tree's own (a cache hit)
+            tree = node.pages if node is not partial else node.pages[:partial_len // ps]
+            mine = pages[offset:offset + len(tree)]
+            if mine.tobytes() != tree.tobytes():
+                to_free.append(mine[mine != tree])
+            offset += len(tree)
+        to_free.append(pages[max(shared_end, kept) // ps:])
+        to_free = np.concatenate(to_free) if len(to_free) > 1 else to_free[0]
         new = pages[n_shared:kept // ps] if kept > shared_end else _EMPTY
         self.pages.free(to_free)
         self.pages.adopt(new)
@@ -309,7 +315,7 @@ class MambaRadixCache(CacheBase):
         return freed
 
     def _drop_state(self, node: Node) -> None:
-        self.slots.release(np.array([node.slot], dtype=np.int32))
+        self.slots.release_trusted(np.array([node.slot], dtype=np.int32))
         del self.lru_state[node]
         node.slot = None
         self.counters["snapshots_evicted"] += 1
@@ -320,7 +326,7 @@ class MambaRadixCache(CacheBase):
         while True:
             parent = node.parent
             del parent.children[node.key[:ps].tobytes()]
-            self.pages.release(node.pages)
+            self.pages.release_trusted(node.pages)
             freed += len(node.pages)
             del self.lru_all[node]
             if node.slot is not None:

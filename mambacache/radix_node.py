@@ -67,7 +67,7 @@ def path_pages(node: Node) -> np.ndarray:
     return np.concatenate(parts)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class MatchResult:
     """What ``match_prefix`` found for a prompt.
 
@@ -89,7 +89,7 @@ class MatchResult:
     branch_len: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class InsertResult:
     """What ``insert`` did with the ids it took ownership of.
 
@@ -109,8 +109,13 @@ class InsertResult:
 
     kept_len: int
     node: Any
-    page_ids: np.ndarray
     accepted: tuple[int, ...]
     rejected: tuple[int, ...]
     new_pages: int
     freed_pages: int
+
+    @property
+    def page_ids(self) -> np.ndarray:
+        """``int32[kept_len // page_size]``: the tree's pages for ``[0, kept_len)`` (computed on
+        access from ``node``'s path; read it before the node can be evicted)."""
+        return path_pages(self.node)

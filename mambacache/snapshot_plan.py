@@ -62,6 +62,11 @@ def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | No
     if prompt_len is not None:
         preferred.add(_floor(prompt_len - 1, page_size))
     order = sorted(positions, key=lambda p: (p not in preferred, -p))
+    if not order:
+        return {}
+    got = cache.alloc_slots(len(order))
+    if got is not None:
+        return dict(zip(order, got.tolist(), strict=True))
     out: dict[int, int] = {}
     for i, pos in enumerate(order):
         got = cache.alloc_slots(1)

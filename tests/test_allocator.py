@@ -1,0 +1,94 @@
+"""IdAllocator: reserved id 0, batched alloc/free, ownership transitions, misuse detection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mambacache.allocator import FREE, HELD, TREE, IdAllocator
+
+
+def test_ids_start_at_one_and_exhaust_to_none():
+    a = IdAllocator(5, "slot")
+    ids = a.alloc(5)
+    assert sorted(ids.tolist()) == [1, 2, 3, 4, 5]
+    assert ids.dtype == np.int32
+    assert a.alloc(1) is None
+    assert a.num_free == 0 and a.num_held == 5
+    a.check()
+
+
+def test_alloc_zero_and_negative():
+    a = IdAllocator(3)
+    assert a.alloc(0).shape == (0,)
+    with pytest.raises(ValueError):
+        a.alloc(-1)
+
+
+def test_free_returns_ids_and_counts():
+    a = IdAllocator(4)
+    ids = a.alloc(3)
+    a.free(ids[:2])
+    assert a.num_free == 3 and a.num_held == 1
+    assert a.held_ids().tolist() == [int(ids[2])]
+    a.check()
+
+
+@pytest.mark.parametrize("bad", [[0], [5], [-1], [2**31 - 1], [1, 9]])
+def test_foreign_ids_raise(bad):
+    a = IdAllocator(4)
+    a.alloc(4)
+    with pytest.raises(ValueError, match="foreign"):
+        a.free(np.array(bad, dtype=np.int32))
+    with pytest.raises(ValueError, match="foreign"):
+        a.free(bad)  # plain list path
+    a.check()
+
+
+def test_double_free_raises():
+    a = IdAllocator(4)
+    ids = a.alloc(2)
+    a.free(ids)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(ids[:1])
+    with pytest.raises(ValueError, match="double free"):
+        a.free(ids)
+    a.check()
+
+
+def test_duplicates_in_one_call_raise():
+    a = IdAllocator(6)
+    ids = a.alloc(3)
+    with pytest.raises(ValueError, match="duplicate"):
+        a.free(np.array([ids[0], ids[1], ids[0]], dtype=np.int32))
+    a.check()
+    a.free(ids)
+    a.check()
+
+
+def test_tree_ownership_transitions():
+    a = IdAllocator(4)
+    ids = a.alloc(3)
+    a.adopt(ids[:2])
+    assert a.num_tree == 2 and a.num_held == 1
+    assert a.status_of(ids).tolist() == [TREE, TREE, HELD]
+    with pytest.raises(ValueError, match="wrong owner"):
+        a.free(ids[:1])  # a request cannot free a tree-owned id
+    with pytest.raises(ValueError, match="wrong owner"):
+        a.release(ids[2:])  # the tree cannot release a request's id
+    a.release(ids[:2])
+    assert a.status_of(ids[:2]).tolist() == [FREE, FREE]
+    a.check()
+
+
+def test_check_detects_corruption():
+    a = IdAllocator(4)
+    ids = a.alloc(2)
+    a._status[int(ids[0])] = FREE  # simulate a lost id
+    with pytest.raises(AssertionError):
+        a.check()
+
+
+def test_bad_size():
+    with pytest.raises(ValueError):
+        IdAllocator(0)
