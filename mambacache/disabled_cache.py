@@ -36,7 +36,7 @@ class DisabledCache(CacheBase):
         self.pages.free(pages)
         self.slots.free(np.array(list(snaps.values()), dtype=np.int32))
         self.counters["snapshots_rejected"] += len(snaps)
-        return InsertResult(0, self._root, _EMPTY, (), tuple(sorted(snaps)), 0, len(pages))
+        return InsertResult(0, self._root, (), tuple(sorted(snaps)), 0, len(pages))
 
     def lock(self, node: Any) -> None:
         pass
