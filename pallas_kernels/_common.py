@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
+
+
+def interpret_default() -> bool:
+    """Run Pallas kernels interpreted? ``PALLAS_INTERPRET=0/1`` decides; else on non-TPU."""
+    env = os.environ.get("PALLAS_INTERPRET")
+    if env in ("0", "1"):
+        return env == "1"
+    return jax.default_backend() != "tpu"
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -1,13 +1,17 @@
 """The ops the model calls: each dispatches on ``impl`` in {"pallas", "reference"}.
 
-"pallas" runs the Pallas kernel (``interpret=True`` on a CPU backend); "reference" runs the
-plain-jnp form beside it. Shapes, padding conventions and the math are in ``docs/kernels.md``
-and in each kernel module. All pools are returned updated (donate them in the caller's jit).
-Where a kernel does not exist yet for an op, "pallas" falls back to the reference (listed in
-``PALLAS_FALLBACK``).
+"pallas" runs the Pallas kernel: compiled on TPU, ``interpret=True`` on a CPU backend (or when
+the environment sets ``PALLAS_INTERPRET=1``). The kernels are Mosaic (TPU) kernels; they have
+no GPU (Triton / Mosaic GPU) lowering, so on a GPU backend "pallas" runs the plain-jnp
+reference (XLA-compiled) unless ``PALLAS_INTERPRET=1`` forces the interpreted kernel.
+"reference" runs the plain-jnp form beside each kernel. Shapes, padding conventions and the math
+are in ``docs/kernels.md`` and in each kernel module. All pools are returned updated (donate
+them in the caller's jit). Ops listed in ``PALLAS_FALLBACK`` have no kernel yet.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +19,11 @@ import jax.numpy as jnp
 from pallas_kernels import causal_conv1d as _conv
 from pallas_kernels import gated_delta_rule as _gdr
 from pallas_kernels import paged_attention as _attn
+from pallas_kernels._common import interpret_default
+from pallas_kernels.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
 
 IMPLS = ("pallas", "reference")
-PALLAS_FALLBACK: frozenset[str] = frozenset(
-    {"paged_attention"})
+PALLAS_FALLBACK: frozenset[str] = frozenset()
 
 
 def resolve_impl(kernels: str) -> str:
@@ -31,7 +36,7 @@ def resolve_impl(kernels: str) -> str:
 
 
 def _interpret() -> bool:
-    return jax.default_backend() == "cpu"
+    return interpret_default()
 
 
 def _arrays(args: tuple) -> tuple:
@@ -41,6 +46,8 @@ def _arrays(args: tuple) -> tuple:
 def _use_pallas(impl: str, name: str) -> bool:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if jax.default_backend() == "gpu" and os.environ.get("PALLAS_INTERPRET") != "1":
+        return False  # Mosaic-TPU kernels: no GPU lowering (see the module docstring)
     return impl == "pallas" and name not in PALLAS_FALLBACK
 
 
@@ -61,8 +68,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
     args = (q, k, v, g, beta, ssm_pool, read_slot, write_slot)
     args = _arrays(args)
     if _use_pallas(impl, "gated_delta_rule_decode"):
-        from pallas_kernels.gated_delta_rule_decode import gated_delta_rule_decode as kern
-        return kern(*args, interpret=_interpret())
+        return _gdr_decode(*args, interpret=_interpret())
     return _gdr.gated_delta_rule_decode_reference(*args)
 
 
