@@ -160,7 +160,7 @@ class MambaRadixCache(CacheBase):
         """Longest cached prefix of ``prompt_ids`` that has a state; see ``MatchResult``."""
         tokens = _as_tokens(prompt_ids)
         root = self.roots.get(extra_key)
-        if root is None or len(tokens) < 2:
+        if root is None or len(tokens) == 0:
             return MatchResult(0, _EMPTY, None, root or self.roots[None], 0)
         limit = len(tokens) // self.page_size * self.page_size
         path, shared_end, _, _ = self._walk(root, tokens, limit)
