@@ -1,0 +1,75 @@
+"""The trace simulator: CLI, result keys, identical-prompt hits, pressure without crashes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mambacache.config import CacheConfig
+from mambacache.simulate import (
+    identical_prompt_trace,
+    load_trace,
+    main,
+    shared_prefix_trace,
+    simulate,
+    write_trace,
+)
+
+KEYS = ("prompt_tokens", "cached_tokens", "hit_rate", "us_per_request", "snapshots_kept",
+        "snapshots_skipped", "snapshots_evicted", "peak_token_usage", "peak_mamba_usage")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_identical_prompts_cache_all_but_last_token(page_size):
+    n = 6
+    cfg = CacheConfig(page_size=page_size, num_kv_tokens=8192, num_mamba_slots=8)
+    res = simulate(identical_prompt_trace(n, 1000, output_len=1), cfg, check_integrity=True)
+    per_hit = 999 // page_size * page_size
+    assert res["prompt_tokens"] == n * 1000
+    assert res["cached_tokens"] == (n - 1) * per_hit
+    assert res["hit_rate"] == pytest.approx((n - 1) * per_hit / (n * 1000))
+
+
+def test_cli_writes_result(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, shared_prefix_trace(40, 2, 64, 8, output_len=3, vocab_size=100))
+    assert len(load_trace(trace)) == 40
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[cache]\nnum_kv_tokens = 4096\nnum_mamba_slots = 16\n[workload]\nx = 1\n")
+    out = tmp_path / "r.json"
+    res = main(["--trace", str(trace), "--config", str(cfg), "--set", "cache.page_size=4",
+                "--concurrency", "4", "--out", str(out), "--check-integrity"])
+    saved = json.loads(out.read_text())
+    for key in KEYS:
+        assert key in saved and saved[key] == res[key]
+    assert saved["config"]["page_size"] == 4
+    assert 0 < saved["hit_rate"] < 1
+    assert saved["requests_dropped"] == 0
+
+
+@pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
+def test_pressure_on_both_pools_never_raises(eviction):
+    trace = shared_prefix_trace(120, 4, 48, 16, output_len=4, vocab_size=50, seed=1)
+    cfg = CacheConfig(num_kv_tokens=600, num_mamba_slots=8, eviction=eviction)
+    res = simulate(trace, cfg, concurrency=5, check_integrity=True)
+    assert res["num_requests"] + res["requests_dropped"] == 120
+    assert res["num_requests"] > 100
+    assert res["snapshots_evicted"] > 0
+    assert res["peak_mamba_usage"] > 0.6 and res["peak_token_usage"] > 0.4
+    roomy = simulate(trace, CacheConfig(num_kv_tokens=2000, num_mamba_slots=24,
+                                        eviction=eviction), concurrency=5, check_integrity=True)
+    assert roomy["hit_rate"] > 0.3  # shared 48-token prefixes of 64-token prompts
+
+
+def test_disabled_cache_never_hits():
+    cfg = CacheConfig(enable=False, num_kv_tokens=4096, num_mamba_slots=4)
+    res = simulate(identical_prompt_trace(5, 100), cfg, concurrency=2, check_integrity=True)
+    assert res["cached_tokens"] == 0 and res["snapshots_kept"] == 0
+
+
+def test_request_that_can_never_fit_is_dropped():
+    cfg = CacheConfig(num_kv_tokens=64, num_mamba_slots=4)
+    trace = identical_prompt_trace(1, 100) + identical_prompt_trace(2, 10, seed=3)
+    res = simulate(trace, cfg)
+    assert res["requests_dropped"] == 1 and res["num_requests"] == 2
