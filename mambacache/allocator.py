@@ -82,7 +82,7 @@ class IdAllocator:
         return ids
 
     def free(self, ids) -> None:
-        """Return ids a request holds (HELD -> FREE)."""
+        """Return ids a request holds (HELD -> FREE). ``ids``: int32 array or list of ints."""
         ids = self._transition(ids, HELD, FREE, "free")
         self._push(ids)
         self._num_held -= len(ids)
@@ -113,6 +113,8 @@ class IdAllocator:
         return arr.astype(np.int32, copy=False)
 
     def _transition(self, ids, expected: int, new: int, verb: str) -> np.ndarray:
+        if type(ids) is list and len(ids) <= 8:
+            return self._transition_small(ids, expected, new, verb)
         if type(ids) is not np.ndarray or ids.dtype != np.int32 or ids.ndim != 1:
             ids = self._validated(ids, verb)
         n = ids.size
@@ -132,6 +134,28 @@ class IdAllocator:
                 raise ValueError(f"{self.name} {verb}: duplicate ids in {ids.tolist()[:16]}")
         self._status[ids] = new
         return ids
+
+    def _transition_small(self, ids: list, expected: int, new: int, verb: str) -> np.ndarray:
+        """Python path for a few ids given as a list (snapshot slots): no numpy temporaries."""
+        status, n = self._status, self.num_ids
+        for i in ids:
+            if type(i) is not int or not 1 <= i <= n:
+                self._validated(ids, verb)  # raises on a foreign id
+            if status[i] != expected:
+                arr = np.asarray(ids, dtype=np.int32)
+                self._raise_status(arr, status[arr], expected, verb)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{self.name} {verb}: duplicate ids in {ids}")
+        for i in ids:
+            status[i] = new
+        return ids  # type: ignore[return-value]
+
+    def release_one(self, i: int) -> None:
+        """``release_trusted`` of a single id (a state slot on eviction)."""
+        self._status[i] = FREE
+        self._stack[self._top] = i
+        self._top += 1
+        self._num_tree -= 1
 
     def _raise_status(self, arr: np.ndarray, status: np.ndarray, expected: int, verb: str):
         i = int(np.flatnonzero(status != expected)[0])

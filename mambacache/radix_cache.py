@@ -225,8 +225,10 @@ class MambaRadixCache(CacheBase):
         kept = max([n.depth for n in path if n.slot is not None] + accepted + [0])
         new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept)
         snaps = snapshots or {}
-        self.slots.free(np.array([snaps[p] for p in rejected], dtype=np.int32))
-        self.slots.adopt(np.array([snaps[p] for p in accepted], dtype=np.int32))
+        if rejected:
+            self.slots.free([int(snaps[p]) for p in rejected])
+        if accepted:
+            self.slots.adopt([int(snaps[p]) for p in accepted])
         if kept > shared_end:
             parent = self._split(partial, partial_len) if partial is not None else (
                 path[-1] if path else root)
@@ -285,7 +287,7 @@ class MambaRadixCache(CacheBase):
         """Free at least ``num`` KV pages if possible (policy order); returns pages freed."""
         freed = 0
         while freed < num:
-            victims = self.policy.page_victims(self, num - freed)
+            victims, start = self.policy.page_victims(self, num - freed), freed
             if not victims:
                 break
             for node in victims:
@@ -293,13 +295,15 @@ class MambaRadixCache(CacheBase):
                     freed += self._remove_leaf(node)
                     if freed >= num:
                         break
+            if freed == start:  # a policy that offers nothing evictable: stop, never spin
+                break
         return freed
 
     def evict_slots(self, num: int) -> int:
         """Free at least ``num`` state slots if possible (policy order); returns slots freed."""
         freed = 0
         while freed < num:
-            victims = self.policy.state_victims(self, num - freed)
+            victims, start = self.policy.state_victims(self, num - freed), freed
             if not victims:
                 break
             for node in victims:
@@ -312,10 +316,12 @@ class MambaRadixCache(CacheBase):
                 freed += 1
                 if freed >= num:
                     break
+            if freed == start:
+                break
         return freed
 
     def _drop_state(self, node: Node) -> None:
-        self.slots.release_trusted(np.array([node.slot], dtype=np.int32))
+        self.slots.release_one(node.slot)
         del self.lru_state[node]
         node.slot = None
         self.counters["snapshots_evicted"] += 1
