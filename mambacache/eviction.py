@@ -17,6 +17,10 @@ newest (1) and efficiency is the prefill FLOPs a hit on the node saves per byte 
 normalised to [0, 1] over the candidates. Lowest score goes first. FLOPs saved by a state at depth
 ``d``: ``d * (1 + d / attn_quadratic_tokens)`` (linear layers ~ d, attention ~ d^2); bytes freed:
 ``state_bytes_in_tokens`` (a state's size in tokens of KV) plus the edge's KV if a leaf goes whole.
+Pass ``alpha`` etc. through ``make_cache(..., eviction="flop_aware", alpha=2.0)``.
+
+``TreeEviction`` is the cache side (a mixin of ``MambaRadixCache``): ``evict_pages(n)`` /
+``evict_slots(n)`` loop over the policy's candidates until ``n`` are free or nothing is evictable.
 """
 
 from __future__ import annotations
@@ -129,3 +133,69 @@ class FlopAwarePolicy(EvictionPolicy):
         if not cands:  # every unlocked state sits on a branch point: fall back to those
             cands = [n for n in cache.lru_state if n.mamba_lock_ref == 0]
         return self._ranked(cache, cands)[:num_slots]
+
+
+class TreeEviction:
+    """The cache side of eviction (mixed into ``MambaRadixCache``): asks ``self.policy`` for
+    candidates and removes them, keeping the tree's invariants and counters."""
+
+    def evict_pages(self, num: int) -> int:
+        """Free at least ``num`` KV pages if possible (policy order); returns pages freed."""
+        freed = 0
+        while freed < num:
+            victims, start = self.policy.page_victims(self, num - freed), freed
+            if not victims:
+                break
+            for node in victims:
+                if node.alive and not node.children and node.full_lock_ref == 0:
+                    freed += self._remove_leaf(node)
+                    if freed >= num:
+                        break
+            if freed == start:  # a policy that offers nothing evictable: stop, never spin
+                break
+        return freed
+
+    def evict_slots(self, num: int) -> int:
+        """Free at least ``num`` state slots if possible (policy order); returns slots freed."""
+        freed = 0
+        while freed < num:
+            victims, start = self.policy.state_victims(self, num - freed), freed
+            if not victims:
+                break
+            for node in victims:
+                if not node.alive or node.slot is None or node.mamba_lock_ref:
+                    continue
+                if node.children:
+                    self._drop_state(node)
+                else:
+                    self._remove_leaf(node)
+                freed += 1
+                if freed >= num:
+                    break
+            if freed == start:
+                break
+        return freed
+
+    def _drop_state(self, node: Node) -> None:
+        self.slots.release_one(node.slot)
+        del self.lru_state[node]
+        node.slot = None
+        self.counters["snapshots_evicted"] += 1
+
+    def _remove_leaf(self, node: Node) -> int:
+        """Remove an unlocked leaf whole, then childless tombstones upward; returns pages freed."""
+        ps, freed = self.page_size, 0
+        while True:
+            parent = node.parent
+            del parent.children[node.key[:ps].tobytes()]
+            self.pages.release_trusted(node.pages)
+            freed += len(node.pages)
+            del self.lru_all[node]
+            if node.slot is not None:
+                self._drop_state(node)
+            node.alive = False
+            if parent.parent is None or parent.children or parent.slot is not None:
+                break
+            node = parent
+        self.counters["pages_evicted"] += freed
+        return freed

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from mambacache.cache_base import CACHE_CLASSES, CacheBase, register_cache
-from mambacache.eviction import make_policy
+from mambacache.eviction import TreeEviction, make_policy
 from mambacache.radix_integrity import check_tree
 from mambacache.radix_node import InsertResult, MatchResult, Node, make_root
 
@@ -51,7 +51,7 @@ def _as_tokens(ids) -> np.ndarray:
 
 
 @register_cache(True)
-class MambaRadixCache(CacheBase):
+class MambaRadixCache(TreeEviction, CacheBase):
     """Radix tree of KV pages and state snapshots; see the module docstring."""
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
@@ -281,68 +281,6 @@ class MambaRadixCache(CacheBase):
         self.pages.free(to_free)
         self.pages.adopt(new)
         return new.copy(), len(to_free)
-
-    # --------------------------------------------------------------------------- eviction
-    def evict_pages(self, num: int) -> int:
-        """Free at least ``num`` KV pages if possible (policy order); returns pages freed."""
-        freed = 0
-        while freed < num:
-            victims, start = self.policy.page_victims(self, num - freed), freed
-            if not victims:
-                break
-            for node in victims:
-                if node.alive and not node.children and node.full_lock_ref == 0:
-                    freed += self._remove_leaf(node)
-                    if freed >= num:
-                        break
-            if freed == start:  # a policy that offers nothing evictable: stop, never spin
-                break
-        return freed
-
-    def evict_slots(self, num: int) -> int:
-        """Free at least ``num`` state slots if possible (policy order); returns slots freed."""
-        freed = 0
-        while freed < num:
-            victims, start = self.policy.state_victims(self, num - freed), freed
-            if not victims:
-                break
-            for node in victims:
-                if not node.alive or node.slot is None or node.mamba_lock_ref:
-                    continue
-                if node.children:
-                    self._drop_state(node)
-                else:
-                    self._remove_leaf(node)
-                freed += 1
-                if freed >= num:
-                    break
-            if freed == start:
-                break
-        return freed
-
-    def _drop_state(self, node: Node) -> None:
-        self.slots.release_one(node.slot)
-        del self.lru_state[node]
-        node.slot = None
-        self.counters["snapshots_evicted"] += 1
-
-    def _remove_leaf(self, node: Node) -> int:
-        """Remove an unlocked leaf whole, then childless tombstones upward; returns pages freed."""
-        ps, freed = self.page_size, 0
-        while True:
-            parent = node.parent
-            del parent.children[node.key[:ps].tobytes()]
-            self.pages.release_trusted(node.pages)
-            freed += len(node.pages)
-            del self.lru_all[node]
-            if node.slot is not None:
-                self._drop_state(node)
-            node.alive = False
-            if parent.parent is None or parent.children or parent.slot is not None:
-                break
-            node = parent
-        self.counters["pages_evicted"] += freed
-        return freed
 
 
 def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page_size: int = 1,
