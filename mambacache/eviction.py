@@ -87,7 +87,7 @@ class FlopAwarePolicy(EvictionPolicy):
     """Marconi-style: recency plus FLOPs saved per byte held (see the module docstring)."""
 
     def __init__(self, alpha: float = 1.0, state_bytes_in_tokens: float = 256.0,
-                 attn_quadratic_tokens: float = 8192.0):
+                 attn_quadratic_tokens: float = 8192.0, rerank_every: int = 32):
         if alpha < 0 or state_bytes_in_tokens <= 0 or attn_quadratic_tokens <= 0:
             raise ValueError(
                 f"flop_aware needs alpha >= 0 and positive sizes, got alpha={alpha}, "
@@ -97,6 +97,11 @@ class FlopAwarePolicy(EvictionPolicy):
         self.alpha = alpha
         self.state_tokens = state_bytes_in_tokens
         self.attn_tokens = attn_quadratic_tokens
+        # Ranking is O(n log n): reuse one ranking for up to ``rerank_every`` victims, dropping
+        # entries that went stale (the cache re-validates every candidate anyway).
+        self.rerank_every = max(1, rerank_every)
+        self._ranked_cache: dict[str, list] = {"pages": [], "states": []}
+        self._uses = {"pages": 0, "states": 0}
 
     def _flops(self, node: Node) -> float:
         d = float(node.depth)
@@ -118,21 +123,40 @@ class FlopAwarePolicy(EvictionPolicy):
         order = sorted(range(len(candidates)), key=scores.__getitem__)
         return [candidates[i] for i in order]
 
-    def page_victims(self, cache: Any, num_pages: int) -> list[Node]:
-        cands = [n for n in cache.lru_all if not n.children and n.full_lock_ref == 0]
-        out, covered = [], 0
-        for node in self._ranked(cache, cands):
-            out.append(node)
-            covered += len(node.pages)
-            if covered >= num_pages:
+    def _cached(self, kind: str, cache: Any, valid, build, enough) -> list[Node]:
+        """Valid candidates from the front of the cached ranking until ``enough(out)``."""
+        for attempt in range(2):
+            ranked = self._ranked_cache[kind]
+            if attempt or not ranked or self._uses[kind] >= self.rerank_every:
+                ranked, self._uses[kind] = self._ranked(cache, build()), 0
+            out, i = [], 0
+            while i < len(ranked) and not enough(out):
+                if valid(ranked[i]):
+                    out.append(ranked[i])
+                i += 1
+            self._ranked_cache[kind] = ranked[i:]
+            if out:
                 break
+        self._uses[kind] += len(out)
         return out
 
+    def page_victims(self, cache: Any, num_pages: int) -> list[Node]:
+        def valid(n):
+            return n.alive and not n.children and n.full_lock_ref == 0
+
+        return self._cached("pages", cache, valid, lambda: [n for n in cache.lru_all if valid(n)],
+                            lambda out: sum(len(n.pages) for n in out) >= num_pages)
+
     def state_victims(self, cache: Any, num_slots: int) -> list[Node]:
-        cands = [n for n in cache.lru_state if n.mamba_lock_ref == 0 and len(n.children) <= 1]
-        if not cands:  # every unlocked state sits on a branch point: fall back to those
-            cands = [n for n in cache.lru_state if n.mamba_lock_ref == 0]
-        return self._ranked(cache, cands)[:num_slots]
+        def valid(n):
+            return n.alive and n.slot is not None and n.mamba_lock_ref == 0
+
+        def build():
+            cands = [n for n in cache.lru_state if valid(n) and len(n.children) <= 1]
+            # every unlocked state sits on a branch point: fall back to those
+            return cands or [n for n in cache.lru_state if valid(n)]
+
+        return self._cached("states", cache, valid, build, lambda out: len(out) >= num_slots)
 
 
 class TreeEviction:
