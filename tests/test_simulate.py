@@ -73,3 +73,12 @@ def test_request_that_can_never_fit_is_dropped():
     trace = identical_prompt_trace(1, 100) + identical_prompt_trace(2, 10, seed=3)
     res = simulate(trace, cfg)
     assert res["requests_dropped"] == 1 and res["num_requests"] == 2
+
+
+def test_host_modules_import_no_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, mambacache.simulate, mambacache.radix_cache, mambacache.snapshot_plan, "
+            "mambacache.allocator, mambacache.disabled_cache; assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
