@@ -154,7 +154,8 @@ def build_sections(cls: type, data: Mapping[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown config key(s) {unknown} for {cls.__name__}; known: {sorted(fields)}")
+        raise ValueError(
+            f"unknown config key(s) {unknown} for {cls.__name__}; known: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
         sub = fields[name].default_factory  # type: ignore[misc]

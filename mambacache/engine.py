@@ -1,0 +1,198 @@
+"""``Engine``: the public serving API (DESIGN.md) over the scheduler, the cache and the runner.
+
+    engine = Engine(EngineConfig.load("configs/tiny_qwen3_next.toml"))
+    outs = engine.generate([[5, 17, 3, 99]], SamplingParams(max_new_tokens=8))
+
+``add_request`` / ``step`` / ``abort`` drive it incrementally (the benchmark does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mambacache.config import EngineConfig
+from mambacache.engine_checks import check_engine_integrity, validate_request
+from mambacache.metrics import EngineMetrics
+from mambacache.model_runner import ModelRunner, to_numpy
+from mambacache.pools import PoolState
+from mambacache.radix_cache import make_cache
+from mambacache.request import Request, RequestOutput, Status
+from mambacache.sampling_params import SamplingParams
+from mambacache.scheduler import ScheduledSeq, Scheduler
+
+
+def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
+    """(model config, params) from ``model.path`` (Hugging Face directory) or ``model.preset``."""
+    dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+    if cfg.model.path is not None:
+        from models.loader import load_checkpoint
+
+        return load_checkpoint(cfg.model.path, dtype=dtype)
+    from models.params import init_params
+    from models.presets import get_preset
+
+    model_cfg = get_preset(cfg.model.preset)
+    return model_cfg, init_params(model_cfg, seed=cfg.model.seed, dtype=dtype)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig | None = None, *, model: tuple[Any, Any] | None = None):
+        """``model``: an already loaded ``(model_cfg, params)`` to share between engines."""
+        self.cfg = cfg = cfg if cfg is not None else EngineConfig()
+        self.model_cfg, params = model if model is not None else load_model(cfg)
+        dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+        pools = PoolState.create(self.model_cfg, cfg.cache.num_pages, cfg.cache.page_size,
+                                 cfg.cache.num_mamba_slots, dtype)
+        self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
+                                  page_size=cfg.cache.page_size,
+                                  max_seqs=cfg.scheduler.max_running_requests)
+        self.scheduler = Scheduler(cfg, self._new_cache())
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self.stats = EngineMetrics()
+
+    def _new_cache(self):
+        c = self.cfg.cache
+        return make_cache(enable=c.enable, page_size=c.page_size, num_pages=c.num_pages,
+                          num_slots=c.num_mamba_slots, eviction=c.eviction)
+
+    @property
+    def cache(self):
+        return self.scheduler.cache
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
+                    *, extra_key: str | None = None) -> int:
+        """Queue a request; bad input is a ``ValueError`` raised before anything is held."""
+        params = params if params is not None else SamplingParams()
+        tokens = validate_request(prompt, params, extra_key, self.model_cfg, self.cfg)
+        rid = next(self._ids)
+        self.requests[rid] = Request(rid, tokens, params, extra_key=extra_key)
+        self.scheduler.waiting.append(self.requests[rid])
+        return rid
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Stop a request and free everything it holds; its output so far, or None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is Status.WAITING:
+            self.scheduler.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+        elif req.status is Status.RUNNING:
+            self.scheduler.finish(req, "abort", keep=False)
+        return req.to_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, extra_keys: Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; outputs in the order of ``prompts``."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        keys = extra_keys if extra_keys is not None else [None] * len(prompts)
+        rids = [self.add_request(p, sp, extra_key=k)
+                for p, sp, k in zip(prompts, params, keys, strict=True)]
+        done: dict[int, RequestOutput] = {}
+        while any(r not in done for r in rids):
+            for out in self.step():
+                done[out.request_id] = out
+            if not self.has_unfinished() and any(r not in done for r in rids):
+                raise RuntimeError("engine idle with unfinished requests")
+        return [done[r] for r in rids]
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and account one step; returns the requests that finished in it."""
+        t_start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        try:
+            tokens, logprobs = self.runner.run(
+                [s.spec for s in scheduled],
+                [s.req.params if s.samples else None for s in scheduled],
+                [len(s.req.output_ids) for s in scheduled])
+            t_wait = time.perf_counter()
+            tokens, logprobs = to_numpy(tokens), to_numpy(logprobs)
+        except Exception as err:  # noqa: BLE001 - a failed step fails its requests only
+            return self._fail_step(scheduled, err)
+        t_synced = time.perf_counter()
+        finished = [out for i, s in enumerate(scheduled)
+                    if (out := self._advance(s, int(tokens[i]), float(logprobs[i]), t_synced))]
+        self.stats.on_step(self, host_s=time.perf_counter() - t_start - (t_synced - t_wait),
+                           wall_s=time.perf_counter() - t_start)
+        if self.cfg.scheduler.check_integrity_every_step:
+            self.check_integrity()
+        return finished
+
+    def _advance(self, s: ScheduledSeq, token: int, logprob: float,
+                 now: float) -> RequestOutput | None:
+        req = s.req
+        self.scheduler.advance(s)
+        if s.end - s.start > 1 or s.start < req.prompt_len:
+            self.stats.computed_prefill_tokens += s.end - s.start
+        if not s.samples:
+            return None
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.token_times_s.append(now)
+        if req.first_token_s is None:
+            req.first_token_s = now
+        reason = self._finish_reason(req, token)
+        if reason is None:
+            return None
+        self.scheduler.finish(req, reason)
+        self.stats.on_finish(req)
+        self.requests.pop(req.request_id, None)
+        return req.to_output()
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        eos = getattr(self.model_cfg, "eos_token_id", None)
+        if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
+            return "stop"
+        if len(req.output_ids) >= p.max_new_tokens:
+            return "length"
+        return None
+
+    def _fail_step(self, scheduled: list[ScheduledSeq], err: Exception) -> list[RequestOutput]:
+        """A step raised: fail its requests; if the donated pools are gone, everything running
+        fails and the pools and the cache start empty (no state can outlive its pools)."""
+        victims = [s.req for s in scheduled]
+        lost = self.runner.pools_lost()
+        if lost:
+            victims += [r for r in self.scheduler.running if r not in victims]
+        outs = []
+        for req in victims:
+            req.error = f"{type(err).__name__}: {err}"
+            if lost:
+                self.scheduler.running.remove(req)
+                req.status, req.finish_reason = Status.FINISHED, "error"
+            else:
+                self.scheduler.finish(req, "error", keep=False)
+            self.requests.pop(req.request_id, None)
+            outs.append(req.to_output())
+        if lost:
+            self.runner.reset_pools()
+            self.scheduler.cache = self._new_cache()
+        self.stats.failed_steps += 1
+        return outs
+
+    # ---- observability ---------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        return self.stats.as_dict(self)
+
+    def check_integrity(self) -> None:
+        """Raise if any invariant of the tree, the pools or the requests is broken."""
+        check_engine_integrity(self)

@@ -1,0 +1,49 @@
+"""Engine counters and the ``Engine.metrics()`` dictionary."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    finished_requests: int = 0
+    num_steps: int = 0
+    failed_steps: int = 0
+    host_s: float = 0.0
+    wall_s: float = 0.0
+    peak_token_usage: float = 0.0
+    peak_mamba_usage: float = 0.0
+
+    def on_step(self, engine: Any, *, host_s: float, wall_s: float) -> None:
+        self.num_steps += 1
+        self.host_s += host_s
+        self.wall_s += wall_s
+        stats = engine.cache.stats()
+        self.peak_token_usage = max(self.peak_token_usage, stats["token_usage"])
+        self.peak_mamba_usage = max(self.peak_mamba_usage, stats["mamba_usage"])
+
+    def on_finish(self, req: Any) -> None:
+        self.finished_requests += 1
+        self.prompt_tokens += req.prompt_len
+        self.cached_tokens += req.cached_tokens
+
+    def as_dict(self, engine: Any) -> dict[str, Any]:
+        stats = engine.cache.stats()
+        out = dataclasses.asdict(self)
+        out.update(
+            hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            token_usage=stats["token_usage"], mamba_usage=stats["mamba_usage"],
+            host_share=self.host_s / self.wall_s if self.wall_s else 0.0,
+            programs_compiled=engine.runner.programs_compiled,
+            preemptions=engine.scheduler.num_preemptions,
+            snapshots_kept=stats.get("snapshots_kept", 0),
+            snapshots_skipped=stats.get("snapshots_skipped", 0),
+            snapshots_evicted=stats.get("snapshots_evicted", 0),
+            running_requests=len(engine.scheduler.running),
+            waiting_requests=len(engine.scheduler.waiting))
+        return out

@@ -1,0 +1,113 @@
+"""The jitted step: pad a step to shape buckets, run the model with the pools donated, sample.
+
+The host hands over ``SeqSpec``s (token ids, page ids, slots, snapshots); the runner packs them
+into a ``ForwardBatch`` whose shapes come from a small set of buckets, so a whole benchmark run
+compiles a bounded number of programs (``programs_compiled``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mambacache.batch import ForwardBatch, SeqSpec, build_forward_batch
+from mambacache.pools import PoolState
+from mambacache.sampling import SamplingBatch, sample
+from mambacache.sampling_params import SamplingParams
+from models.model import forward as model_forward
+
+MIN_TOKEN_BUCKET = 16
+MIN_PAGE_BUCKET = 64
+MIN_SNAPSHOT_BUCKET = 8
+
+
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _step(params: Any, pools: PoolState, batch: ForwardBatch, sb: SamplingBatch, *,
+          cfg: Any, kernels: str, decode: bool):
+    pools, logits = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode)
+    tokens, logprobs = sample(logits, sb)
+    return pools, tokens, logprobs
+
+
+@functools.cache
+def jitted_step(cfg: Any, kernels: str, decode: bool):
+    """One jitted program family per (model config, kernels, decode): engines over the same model
+    share compiled programs. Pools (argument 1) are donated.
+
+    Buckets: tokens and pages per sequence are powers of two (at least ``MIN_TOKEN_BUCKET`` and
+    ``MIN_PAGE_BUCKET``), the sequence axis is always ``max_running_requests`` rounded up to a
+    power of two, snapshots a power of two (at least ``MIN_SNAPSHOT_BUCKET``).
+    """
+    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode),
+                   donate_argnums=(1,))
+
+
+class ModelRunner:
+    """Owns the params and the device pools; runs one step at a time.
+
+    ``run`` returns device arrays (tokens, logprobs); reading them is the only sync point.
+    """
+
+    def __init__(self, model_cfg: Any, params: Any, pools: PoolState, *, kernels: str,
+                 page_size: int, max_seqs: int):
+        self.model_cfg = model_cfg
+        self.params = params
+        self.pools = pools
+        self.page_size = page_size
+        self.max_seqs = bucket(max_seqs, 1)
+        self._fns = {d: jitted_step(model_cfg, kernels, d) for d in (False, True)}
+        self.program_keys: set[tuple] = set()
+
+    @property
+    def programs_compiled(self) -> int:
+        return len(self.program_keys)
+
+    def shapes_for(self, seqs: Sequence[SeqSpec]) -> dict[str, int]:
+        num_tokens = sum(len(s.tokens) for s in seqs)
+        pages = max(-(-(s.prefix_len + len(s.tokens)) // self.page_size) for s in seqs)
+        num_snaps = sum(len(s.snapshots) for s in seqs)
+        num_seqs = self.max_seqs  # one width for every step: fewer programs to compile
+        return dict(num_tokens=bucket(num_tokens, MIN_TOKEN_BUCKET), num_seqs=num_seqs,
+                    num_pages_per_seq=bucket(pages, MIN_PAGE_BUCKET),
+                    num_snapshots=bucket(num_snaps, MIN_SNAPSHOT_BUCKET), num_logits=num_seqs)
+
+    def run(self, seqs: Sequence[SeqSpec], params: Sequence[SamplingParams | None],
+            steps: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+        """One step over ``seqs`` (each ``logits="last"``): sampled tokens and logprobs ``[B]``.
+
+        A batch where every sequence extends by one token and takes no snapshot runs the decode
+        program (``T == B``).
+        """
+        decode = all(len(s.tokens) == 1 and not s.snapshots for s in seqs)
+        shapes = self.shapes_for(seqs)
+        if decode:
+            shapes.update(num_tokens=shapes["num_seqs"], num_snapshots=MIN_SNAPSHOT_BUCKET)
+        batch = build_forward_batch(seqs, self.page_size, **shapes)
+        sb = SamplingBatch.from_params(list(params), list(steps), shapes["num_logits"])
+        self.program_keys.add((decode, *sorted(shapes.items())))
+        self.pools, tokens, logprobs = self._fns[decode](self.params, self.pools, batch, sb)
+        return tokens, logprobs
+
+    def pools_lost(self) -> bool:
+        """True if a failed step consumed the donated pools (they must be rebuilt)."""
+        leaves = jax.tree_util.tree_leaves(self.pools)
+        return any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
+
+    def reset_pools(self) -> None:
+        shape_dtype = [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(self.pools)]
+        treedef = jax.tree_util.tree_structure(self.pools)
+        self.pools = jax.tree_util.tree_unflatten(
+            treedef, [jax.numpy.zeros(s, d) for s, d in shape_dtype])
+
+
+def to_numpy(x: jax.Array) -> np.ndarray:
+    return np.asarray(jax.device_get(x))

@@ -1,0 +1,108 @@
+"""Host-side request state: what a request holds while it waits, runs and finishes.
+
+Invariants (checked by ``Engine.check_integrity``):
+  * a RUNNING request owns exactly one running state slot (``running_slot``) and the KV pages in
+    ``own_page_ids``; ``page_ids = cached_page_ids + own_page_ids`` cover ``kv_len`` tokens;
+  * ``pending_snapshots`` map positions (tokens) to slots planned for this request; those slots
+    belong to the cache from the moment they are planned and are handed to it on insert;
+  * ``num_computed`` tokens of ``token_ids`` have been fed through the model; the state in
+    ``running_slot`` is the state after exactly ``num_computed`` tokens once the first step ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+import numpy as np
+
+from mambacache.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What ``Engine.generate`` returns per request."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    cached_tokens: int
+    finish_reason: str  # "length", "stop", "abort" or "error"
+    error: str | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt: np.ndarray  # int32 [prompt_len]
+    params: SamplingParams
+    extra_key: str | None = None
+    status: Status = Status.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    # cache bookkeeping while running
+    match_node: Any = None
+    read_slot: int | None = None  # slot of the cached state (None: zero state); first step only
+    running_slot: int | None = None
+    cached_page_ids: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int32))
+    own_page_ids: list[int] = dataclasses.field(default_factory=list)
+    pending_snapshots: dict[int, int] = dataclasses.field(default_factory=dict)
+    snapshots_in_flight: set[int] = dataclasses.field(default_factory=set)  # scheduled positions
+    num_computed: int = 0  # tokens fed through the model (cached ones included)
+    cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
+    prefix_inserted: bool = False
+    state_valid: bool = False  # running_slot holds the state after num_computed tokens
+    finish_reason: str | None = None
+    error: str | None = None
+    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt.shape[0])
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """Prompt plus the generated tokens so far, int32."""
+        if not self.output_ids:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.output_ids, np.int32)])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens to feed through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def page_ids(self) -> np.ndarray:
+        return np.concatenate([self.cached_page_ids, np.asarray(self.own_page_ids, np.int32)])
+
+    def to_output(self) -> RequestOutput:
+        now = time.perf_counter()
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt.tolist(),
+            output_token_ids=list(self.output_ids), output_logprobs=list(self.output_logprobs),
+            cached_tokens=self.cached_tokens, finish_reason=self.finish_reason or "abort",
+            error=self.error,
+            ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
+            latency_s=now - self.arrival_s,
+            token_times_s=[t - self.arrival_s for t in self.token_times_s])

@@ -1,0 +1,64 @@
+"""Sampling parameters (host) and the jitted sampler (device).
+
+Each request draws with its own key, ``fold_in(key(seed), output_index)``, so a request's tokens
+do not depend on which other requests share its batch or on whether the cache served its prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mambacache.sampling_params import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling inputs, ``[L]`` each: float32 temperature/top_p, int32 the rest."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    step: jax.Array  # index of the token being sampled within its request's output
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams | None], steps: list[int],
+                    num_rows: int) -> SamplingBatch:
+        """Rows past ``len(params)`` (or ``None`` rows) are padding and sample greedily."""
+        temp = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        seed = np.zeros(num_rows, np.int32)
+        step = np.zeros(num_rows, np.int32)
+        for i, p in enumerate(params):
+            if p is not None:
+                temp[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
+                step[i] = steps[i]
+        return cls(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
+
+
+def _sample_row(logits: jax.Array, temp, top_k, top_p, seed, step):
+    """logits ``[V]`` float32 -> (token int32, logprob float32 of that token, unscaled)."""
+    logprobs = jax.nn.log_softmax(logits)
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    order = jnp.argsort(-logits)
+    sorted_logits = logits[order] / jnp.maximum(temp, 1e-6)
+    rank = jnp.arange(logits.shape[0])
+    keep = jnp.where(top_k > 0, rank < top_k, True)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+    keep = keep & (jnp.cumsum(probs) - probs < top_p)
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    pick = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
+    token = jnp.where(temp > 0, order[pick].astype(jnp.int32), greedy)
+    return token, logprobs[token]
+
+
+def sample(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """logits ``[L, V]`` -> tokens int32 ``[L]``, logprobs float32 ``[L]``."""
+    return jax.vmap(_sample_row)(logits.astype(jnp.float32), sb.temperature, sb.top_k, sb.top_p,
+                                 sb.seed, sb.step)
