@@ -218,6 +218,8 @@ class TreeEviction:
             if node.slot is not None:
                 self._drop_state(node)
             node.alive = False
+            if parent.parent is None and not parent.children and parent.extra_key is not None:
+                self.roots.pop(parent.extra_key, None)  # an emptied namespace goes away
             if parent.parent is None or parent.children or parent.slot is not None:
                 break
             node = parent

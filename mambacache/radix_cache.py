@@ -242,6 +242,8 @@ class MambaRadixCache(TreeEviction, CacheBase):
             self.lru_all.move_to_end(node)
         self.counters["snapshots_kept"] += len(accepted)
         self.counters["snapshots_rejected"] += len(rejected)
+        if not root.children and extra_key is not None:
+            del self.roots[extra_key]
         return InsertResult(kept, nodes[-1], tuple(accepted), tuple(rejected), len(new_pages),
                             num_freed)
 

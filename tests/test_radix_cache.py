@@ -344,3 +344,15 @@ def test_registry_and_disabled_cache():
     assert s["pages_free"] == 16 and s["slots_free"] == 4
     with pytest.raises(ValueError, match="eviction"):
         make_cache(True, 8, 4, eviction="nope")
+
+
+def test_empty_namespaces_are_dropped():
+    cache = cache_with()
+    pages = cache.alloc_pages(3)
+    cache.insert(arr(1, 2, 3), pages, {}, extra_key="t")  # nothing kept
+    assert "t" not in cache.roots
+    serve(cache, np.arange(1, 10, dtype=np.int32), extra_key="t")
+    assert "t" in cache.roots
+    cache.evict_pages(100)
+    assert "t" not in cache.roots and None in cache.roots
+    cache.check_integrity()
