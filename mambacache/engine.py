@@ -52,6 +52,11 @@ class Engine:
         self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
                                   page_size=cfg.cache.page_size,
                                   max_seqs=cfg.scheduler.max_running_requests)
+        self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
+        if cfg.parallel.tensor_parallel > 1:
+            from mambacache.parallel import shard_engine
+
+            shard_engine(self)
         self.scheduler = Scheduler(cfg, self._new_cache())
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -188,6 +193,20 @@ class Engine:
             self.scheduler.cache = self._new_cache()
         self.stats.failed_steps += 1
         return outs
+
+    # ---- [parallel] warm restarts: mambacache/checkpoint.py -------------------------------------
+    def save(self, path: str) -> None:
+        """Save the whole cache (tree + the pool rows it owns) to directory ``path``; idle only."""
+        from mambacache.checkpoint import save_cache
+
+        save_cache(self, path)
+
+    def restore(self, path: str) -> None:
+        """Load a cache saved by ``save`` into this idle engine; ``ValueError`` if the model or
+        the cache layout differ."""
+        from mambacache.checkpoint import restore_cache
+
+        restore_cache(self, path)
 
     # ---- observability ---------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

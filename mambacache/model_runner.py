@@ -51,6 +51,15 @@ def jitted_step(cfg: Any, kernels: str, decode: bool):
                    donate_argnums=(1,))
 
 
+@functools.cache
+def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any):
+    """``jitted_step`` pinned to a mesh (tensor parallel, ``mambacache.parallel``): params come
+    placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps, tokens and
+    logprobs come back with ``out_sh`` (replicated)."""
+    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode),
+                   donate_argnums=(1,), out_shardings=(pool_sh, out_sh, out_sh))
+
+
 class ModelRunner:
     """Owns the params and the device pools; runs one step at a time.
 
@@ -64,8 +73,17 @@ class ModelRunner:
         self.pools = pools
         self.page_size = page_size
         self.max_seqs = bucket(max_seqs, 1)
+        self.kernels = kernels
         self._fns = {d: jitted_step(model_cfg, kernels, d) for d in (False, True)}
         self.program_keys: set[tuple] = set()
+
+    # [parallel] tensor parallel: set by ``mambacache.parallel.shard_engine``
+    def use_shardings(self, mesh: Any, pool_sh: Any) -> None:
+        """Compile the step for pools placed with ``pool_sh`` (params: as placed)."""
+        from mambacache.parallel import replicated
+
+        self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
+                                            replicated(mesh)) for d in (False, True)}
 
     @property
     def programs_compiled(self) -> int:
@@ -106,7 +124,9 @@ class ModelRunner:
         shape_dtype = [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(self.pools)]
         treedef = jax.tree_util.tree_structure(self.pools)
         self.pools = jax.tree_util.tree_unflatten(
-            treedef, [jax.numpy.zeros(s, d) for s, d in shape_dtype])
+            treedef, [jax.device_put(jax.numpy.zeros(s, d), x.sharding)  # [parallel] keep sharding
+                      for (s, d), x in zip(shape_dtype, jax.tree_util.tree_leaves(self.pools),
+                                           strict=True)])
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:

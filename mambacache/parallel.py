@@ -1,0 +1,148 @@
+"""Tensor parallelism: a 1-D device mesh (axis ``"tp"``) and the shardings of params and pools.
+
+The model code is plain ``jnp`` (``kernels="reference"``), so GSPMD partitions the jitted step
+from the input shardings alone. Heads are split over the ``tp`` axis:
+
+* pools: KV pages on the KV-head axis, conv state on the channel axis, SSM state on the
+  value-head axis (``pool_specs``). Page and slot ids stay global, so the host side (radix
+  tree, allocators, ``ForwardBatch``) is unchanged.
+* params (``param_spec``): column-parallel input projections (``in_proj``, ``qkv_proj``,
+  ``gate_up``), row-parallel output projections (``out_proj``, ``o_proj``, ``down``): one
+  all-reduce per mixer and per MLP. Experts are split on the expert axis; the vocab is split for
+  ``embed`` and ``lm_head``; norms, the router and per-head scalars of tiny size are replicated.
+
+The packed ``in_proj`` / ``qkv_proj`` column layouts (q | k | v | z | b | a) are not grouped per
+head, so a contiguous column split does not line up with heads; GSPMD reshards the projection
+output to the head-sharded pools (an all-to-all). A head-grouped column order is the follow-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+TP = "tp"
+
+# leaf name -> which axis is split over "tp" (None: replicated)
+_PARAM_AXIS = {
+    "embed": 0, "lm_head": 1,
+    "in_proj": 1, "conv_w": 1, "A_log": 0, "dt_bias": 0, "out_proj": 0,
+    "qkv_proj": 1, "o_proj": 0,
+    "shared_gate_up": 1, "shared_down": 0,
+}
+_MLP_AXIS = {"gate_up": 1, "down": 0}  # dense MLP; MoE experts use axis 0 instead
+
+
+def validate_tensor_parallel(model_cfg: Any, tp: int, num_devices: int | None = None) -> None:
+    """``ValueError`` unless ``tp`` divides every head count it splits and fits the devices."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"parallel.tensor_parallel must be a positive int, got {tp!r}")
+    num_devices = len(jax.devices()) if num_devices is None else num_devices
+    if tp > num_devices:
+        raise ValueError(f"parallel.tensor_parallel={tp} exceeds the {num_devices} available "
+                         f"device(s)")
+    counts = {
+        "num_attention_heads": model_cfg.num_attention_heads,
+        "num_key_value_heads": model_cfg.num_key_value_heads,
+        "linear_num_key_heads": model_cfg.linear_num_key_heads,
+        "linear_num_value_heads": model_cfg.linear_num_value_heads,
+    }
+    if "moe" in model_cfg.mlp_types:
+        counts["num_experts"] = model_cfg.num_experts
+    for name, value in counts.items():
+        if value % tp:
+            raise ValueError(f"parallel.tensor_parallel={tp} must divide the model's {name} "
+                             f"({value})")
+
+
+def make_mesh(tp: int, devices: list | None = None) -> Mesh:
+    """A 1-D mesh over the first ``tp`` devices (all processes' devices, in global order)."""
+    devices = list(jax.devices()) if devices is None else list(devices)
+    if tp > len(devices):
+        raise ValueError(f"parallel.tensor_parallel={tp} exceeds the {len(devices)} device(s)")
+    return Mesh(np.asarray(devices[:tp]), (TP,))
+
+
+def _split(shape: tuple[int, ...], axis: int | None, tp: int) -> P:
+    if axis is None or len(shape) <= axis or shape[axis] % tp:
+        return P()
+    spec: list[str | None] = [None] * len(shape)
+    spec[axis] = TP
+    return P(*spec)
+
+
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
+    """The ``PartitionSpec`` of the param at ``path`` (names from the root, e.g.
+    ``("layers", "3", "moe", "gate_up")``); a leaf whose split axis ``tp`` does not divide is
+    replicated."""
+    name = path[-1]
+    if "moe" in path and name in ("gate_up", "down"):
+        return _split(shape, 0, tp)  # experts
+    if "mlp" in path and name in _MLP_AXIS:
+        return _split(shape, _MLP_AXIS[name], tp)
+    return _split(shape, _PARAM_AXIS.get(name), tp)
+
+
+def _key_names(path: tuple) -> tuple[str, ...]:
+    out = []
+    for k in path:
+        out.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
+    return tuple(out)
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+    """A pytree of ``NamedSharding`` matching ``params`` (arrays or ``ShapeDtypeStruct``)."""
+    tp = mesh.shape[TP]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_spec(_key_names(path), tuple(x.shape), tp)),
+        params)
+
+
+def pool_specs() -> dict[str, P]:
+    """Per-field spec of ``PoolState``: heads / channels over ``tp``, ids (axis 0) global."""
+    return {"k_pages": P(None, None, TP, None), "v_pages": P(None, None, TP, None),
+            "conv": P(None, None, TP), "ssm": P(None, TP, None, None)}
+
+
+def pool_shardings(pools: Any, mesh: Mesh) -> Any:
+    """``PoolState`` of ``NamedSharding`` (same tree as ``pools``)."""
+    specs = pool_specs()
+    return pools.replace(**{f: tuple(NamedSharding(mesh, specs[f]) for _ in getattr(pools, f))
+                            for f in specs})
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put`` leaf by leaf (one leaf's full copy at most is live on the host)."""
+    return jax.tree.map(jax.device_put, tree, shardings)
+
+
+def shard_engine(engine: Any) -> None:
+    """Put ``engine``'s params and pools onto a ``cfg.parallel.tensor_parallel`` mesh and make its
+    runner compile the step with those shardings (``Engine.__init__`` calls this)."""
+    tp = engine.cfg.parallel.tensor_parallel
+    validate_tensor_parallel(engine.model_cfg, tp)
+    mesh = make_mesh(tp)
+    runner = engine.runner
+    runner.params = place(runner.params, param_shardings(runner.params, mesh))
+    pool_sh = pool_shardings(runner.pools, mesh)
+    runner.pools = place(runner.pools, pool_sh)
+    runner.use_shardings(mesh, pool_sh)
+    engine.mesh = mesh
+
+
+def per_device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes of ``tree``'s shards on each device (``str(device)`` -> bytes)."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device)
+            out[key] = out.get(key, 0) + shard.data.nbytes
+    return out
