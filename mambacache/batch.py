@@ -65,7 +65,8 @@ class SeqSpec:
     """Host description of one sequence in a step (used to build a ``ForwardBatch``).
 
     ``prefix_len`` tokens are already in the KV pages and in the state at ``read_slot``;
-    ``tokens`` are the extend. ``page_ids`` must cover ``prefix_len + len(tokens)`` tokens.
+    ``tokens`` are the extend. ``page_ids`` must cover ``prefix_len + len(tokens)`` tokens (more
+    are ignored).
     """
 
     tokens: Sequence[int]
@@ -110,7 +111,7 @@ def build_forward_batch(seqs: Sequence[SeqSpec], page_size: int, *, num_tokens: 
             raise ValueError(f"sequence {i} needs {need_pages[i]} pages, got {len(s.page_ids)}")
         cu[i] = start
         p = np.arange(s.prefix_len, s.prefix_len + n, dtype=np.int32)
-        pages = np.asarray(s.page_ids, np.int32)
+        pages = np.asarray(s.page_ids, np.int32)[:need_pages[i]]
         ids[start:start + n] = np.asarray(s.tokens, np.int32)
         pos[start:start + n] = p
         loc[start:start + n] = pages[p // page_size] * page_size + p % page_size

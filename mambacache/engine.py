@@ -128,27 +128,31 @@ class Engine:
                 [s.spec for s in scheduled],
                 [s.req.params if s.samples else None for s in scheduled],
                 [len(s.req.output_ids) for s in scheduled])
-            t_wait = time.perf_counter()
-            tokens, logprobs = to_numpy(tokens), to_numpy(logprobs)
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests only
             return self._fail_step(scheduled, err)
+        # Overlap: the step runs asynchronously; account progress and publish finished prefills
+        # to the tree while it does. Only the sampled tokens need the device.
+        for s in scheduled:
+            self._advance(s)
+        t_wait = time.perf_counter()
+        tokens, logprobs = to_numpy(tokens), to_numpy(logprobs)
         t_synced = time.perf_counter()
-        finished = [out for i, s in enumerate(scheduled)
-                    if (out := self._advance(s, int(tokens[i]), float(logprobs[i]), t_synced))]
+        finished = [out for i, s in enumerate(scheduled) if s.samples
+                    and (out := self._append(s.req, int(tokens[i]), float(logprobs[i]), t_synced))]
         self.stats.on_step(self, host_s=time.perf_counter() - t_start - (t_synced - t_wait),
                            wall_s=time.perf_counter() - t_start)
         if self.cfg.scheduler.check_integrity_every_step:
             self.check_integrity()
         return finished
 
-    def _advance(self, s: ScheduledSeq, token: int, logprob: float,
-                 now: float) -> RequestOutput | None:
-        req = s.req
+    def _advance(self, s: ScheduledSeq) -> None:
         self.scheduler.advance(s)
-        if s.end - s.start > 1 or s.start < req.prompt_len:
+        if s.end - s.start > 1 or s.start < s.req.prompt_len:
             self.stats.computed_prefill_tokens += s.end - s.start
-        if not s.samples:
-            return None
+
+    def _append(self, req: Request, token: int, logprob: float,
+                now: float) -> RequestOutput | None:
+        """Record a sampled token; finish the request if it is done."""
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         req.token_times_s.append(now)

@@ -21,7 +21,7 @@ import numpy as np
 from mambacache.batch import SeqSpec
 from mambacache.config import EngineConfig
 from mambacache.request import Request, Status
-from mambacache.snapshot_plan import plan_snapshots
+from mambacache.snapshot_plan import assign_snapshot_slots, plan_snapshots
 
 
 @dataclasses.dataclass
@@ -107,14 +107,11 @@ class Scheduler:
         if req.num_preemptions == 0:
             req.cached_tokens = m.cached_len
         req.prefix_inserted = False
-        positions = plan_snapshots(len(tokens), m.cached_len, branch_len, self.page_size,
-                                   self.cfg.cache.checkpoint_interval)
-        for pos in positions if self.cfg.cache.enable else ():
-            got = self.cache.alloc_slots(1)
-            if got is None:
-                self.cache.record_skipped()
-            else:
-                req.pending_snapshots[pos] = int(got[0])
+        if self.cfg.cache.enable:
+            positions = plan_snapshots(len(tokens), m.cached_len, branch_len, self.page_size,
+                                       self.cfg.cache.checkpoint_interval)
+            req.pending_snapshots = assign_snapshot_slots(self.cache, positions, branch_len,
+                                                          len(tokens), self.page_size)
         req.status = Status.RUNNING
         req.state_valid = False
         self.running.append(req)
