@@ -1,0 +1,165 @@
+"""``python -m mambacache.bench --config configs/bench/<name>.toml``: cache on vs off, one process.
+
+The TOML is a full engine config ([model] [cache] [scheduler] [parallel]) plus ``[workload]``
+(``kind`` = one of ``workloads.WORKLOADS``, then that kind's fields) and ``[bench]``
+(``bench_runner.BenchSection``). ``--set section.key=value`` overrides any of them.
+
+Both modes share one loaded model and, through ``jitted_step``'s cache, the compiled programs.
+Warm-up passes (untimed) run the whole workload per mode first, so that the timed passes compile
+nothing; ``timed_new_programs`` reports any program a timed pass used that warm-up did not.
+Timed passes alternate on/off (``repeats`` pairs, who goes first alternating); medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mambacache.bench_report import format_table, ratios, write_json, write_plot
+from mambacache.bench_runner import BenchSection, run_pass
+from mambacache.config import (
+    EngineConfig,
+    apply_overrides,
+    build_sections,
+    parse_set_args,
+    read_toml,
+)
+from mambacache.workloads import workload_from_dict
+
+MODES = {"cache_on": True, "cache_off": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSetup:
+    engine: EngineConfig
+    workload: Any
+    bench: BenchSection
+
+
+def load_setup(path: str, overrides: dict[str, Any] | None = None) -> BenchSetup:
+    """Parse the TOML at ``path`` with dotted ``overrides`` into the three configs."""
+    data = apply_overrides(read_toml(path), overrides or {})
+    engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(data) - engine_names - {"workload", "bench"})
+    if unknown:
+        raise ValueError(f"unknown config section(s) {unknown} in {path!r}")
+    if "workload" not in data:
+        raise ValueError(f"{path!r} has no [workload] section")
+    engine = EngineConfig.from_dict({k: v for k, v in data.items() if k in engine_names})
+    return BenchSetup(engine, workload_from_dict(data["workload"]),
+                      build_sections(BenchSection, data.get("bench", {})))
+
+
+def _median_dict(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            out[key] = value
+        else:
+            out[key] = float(np.median([r[key] for r in runs]))
+            if isinstance(value, int):
+                out[key] = int(round(out[key]))
+    return out
+
+
+def run_bench(setup: BenchSetup, *, progress: bool = True) -> dict[str, Any]:
+    """Warm up, then time ``repeats`` alternating on/off pairs; the JSON-ready result."""
+    from mambacache.engine import Engine, load_model
+
+    t = time.perf_counter()
+    model = load_model(setup.engine)
+    load_s = time.perf_counter() - t
+    vocab = model[0].vocab_size
+    cfgs = {m: setup.engine.replace(**{"cache.enable": on}) for m, on in MODES.items()}
+
+    def one_pass(mode: str, label: str, show: bool) -> tuple[dict[str, Any], set]:
+        engine = Engine(cfgs[mode], model=model)
+        source = setup.workload.source(vocab, setup.bench.seed)
+        stats = run_pass(engine, source, setup.bench, label=label, progress=show)
+        return stats, set(engine.runner.program_keys)
+
+    t = time.perf_counter()
+    warm_keys: set = set()
+    for i in range(setup.bench.warmup):
+        for mode in MODES:
+            warm_keys |= one_pass(mode, f"warmup {i + 1} {mode}", progress)[1]
+    warmup_s = time.perf_counter() - t
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    new_keys: dict[str, set] = {m: set() for m in MODES}
+    for r in range(setup.bench.repeats):
+        order = list(MODES) if r % 2 == 0 else list(MODES)[::-1]
+        for mode in order:
+            stats, keys = one_pass(mode, f"run {r + 1} {mode}", progress)
+            runs[mode].append(stats)
+            new_keys[mode] |= keys - warm_keys
+    result: dict[str, Any] = {"model_load_s": load_s, "warmup_s": warmup_s,
+                              "warmup_programs_compiled": len(warm_keys)}
+    for mode in MODES:
+        result[mode] = _median_dict(runs[mode])
+        result[mode]["timed_new_programs"] = len(new_keys[mode])
+    result["ratios"] = ratios(result["cache_on"], result["cache_off"])
+    result["runs"] = {m: [{k: r[k] for k in ("request_throughput", "input_throughput",
+                                             "output_throughput", "duration_s")}
+                          for r in runs[m]] for m in MODES}
+    return result
+
+
+def machine_info() -> dict[str, Any]:
+    import jax
+
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "jax": jax.__version__,
+            "jax_backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()]}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mambacache.bench", description=__doc__.split(
+        "\n")[0])
+    p.add_argument("--config", required=True, help="TOML: engine sections + [workload] [bench]")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--out", help="write the results as one JSON object")
+    p.add_argument("--plot", help="write a PNG plot (needs the 'plot' extra: matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    overrides = parse_set_args(args.set)
+    setup = load_setup(args.config, overrides)
+    if args.plot:
+        from mambacache.bench_report import require_matplotlib
+
+        require_matplotlib()  # fail before the run, not after it
+    progress = setup.bench.progress and not args.quiet
+    result = run_bench(setup, progress=progress)
+    result = {"config": args.config, "overrides": overrides,
+              "workload": {"kind": _kind(setup.workload), **dataclasses.asdict(setup.workload)},
+              "bench": dataclasses.asdict(setup.bench),
+              "engine": dataclasses.asdict(setup.engine), "machine": machine_info(), **result}
+    print(format_table(result), file=sys.stdout)
+    if args.out:
+        write_json(result, args.out)
+    if args.plot:
+        write_plot(result, args.plot)
+    return result
+
+
+def _kind(workload: Any) -> str:
+    from mambacache.workloads import WORKLOADS
+
+    return next(k for k, cls in WORKLOADS.items() if isinstance(workload, cls))
+
+
+if __name__ == "__main__":
+    main()

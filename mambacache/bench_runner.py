@@ -1,0 +1,155 @@
+"""One timed pass of a workload through an ``Engine``, and its serving statistics.
+
+Arrival: ``"all"`` sends every request at time 0 (at most ``concurrency`` in flight; 0 = no
+cap); ``"poisson"`` spaces the first requests by exponential gaps at ``rate`` requests/s (also
+capped by ``concurrency``). A multi-turn client's next turn arrives when its previous turn
+finished. TTFT / latency are measured by the engine from ``add_request``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+
+from mambacache.sampling_params import SamplingParams
+from mambacache.workloads import BenchItem, ideal_hit_rate
+
+ARRIVALS = ("all", "poisson")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSection:
+    """The ``[bench]`` table: arrival process, concurrency cap, seed, warm-up and repeats.
+
+    ``warmup``: untimed passes of the whole workload per mode before timing (compiles every
+    program the timed passes need). ``repeats``: timed on/off pairs, alternating which goes
+    first; the report takes medians.
+    """
+
+    arrival: str = "all"
+    concurrency: int = 0
+    rate: float = 0.0
+    seed: int = 0
+    warmup: int = 1
+    repeats: int = 1
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"bench.arrival must be one of {ARRIVALS}, got {self.arrival!r}")
+        for name, lo in (("concurrency", 0), ("seed", 0), ("warmup", 0), ("repeats", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"bench.{name} must be an int >= {lo}, got {v!r}")
+        if not isinstance(self.rate, int | float) or self.rate < 0:
+            raise ValueError(f"bench.rate must be >= 0, got {self.rate!r}")
+        if self.arrival == "poisson" and self.rate <= 0:
+            raise ValueError(f"bench.arrival = 'poisson' needs bench.rate > 0, got {self.rate!r}")
+
+
+@dataclasses.dataclass
+class Finished:
+    prompt_len: int
+    output_len: int
+    cached_tokens: int
+    ttft_s: float
+    latency_s: float
+    error: str | None
+
+
+def _arrival_times(bench: BenchSection, n: int) -> np.ndarray:
+    if bench.arrival == "all":
+        return np.zeros(n)
+    rng = np.random.default_rng(bench.seed + 1)
+    return np.cumsum(rng.exponential(1.0 / bench.rate, n))
+
+
+def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
+             progress: bool = False) -> dict[str, Any]:
+    """Drive ``source`` through ``engine`` to completion; returns the pass statistics."""
+    order = itertools.count()
+    items = source.start()
+    heap = [(float(t), next(order), it) for t, it in
+            zip(_arrival_times(bench, len(items)), items, strict=True)]
+    heapq.heapify(heap)
+    cap = bench.concurrency or None
+    inflight: dict[int, BenchItem] = {}
+    sent: list[list[int]] = []
+    done: list[Finished] = []
+    bar = _progress_bar(source.total, label) if progress else None
+    t0 = time.perf_counter()
+    while heap or inflight:
+        now = time.perf_counter() - t0
+        while heap and heap[0][0] <= now and (cap is None or len(inflight) < cap):
+            item = heapq.heappop(heap)[2]
+            params = SamplingParams(max_new_tokens=item.max_new_tokens, temperature=0.0,
+                                    ignore_eos=True)
+            inflight[engine.add_request(item.prompt, params)] = item
+            sent.append(item.prompt)
+        if not engine.has_unfinished():
+            if inflight:
+                raise RuntimeError(f"engine idle with {len(inflight)} requests in flight")
+            if heap:
+                time.sleep(max(0.0, heap[0][0] - (time.perf_counter() - t0)))
+            continue
+        for out in engine.step():
+            item = inflight.pop(out.request_id)
+            done.append(Finished(len(item.prompt), len(out.output_token_ids), out.cached_tokens,
+                                 out.ttft_s or 0.0, out.latency_s or 0.0, out.error))
+            nxt = source.follow_up(item, out.output_token_ids)
+            if nxt is not None:
+                heapq.heappush(heap, (time.perf_counter() - t0, next(order), nxt))
+            if bar is not None:
+                bar.update(1)
+    duration_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    stats = summarize(done, duration_s)
+    stats["ideal_hit_rate"] = ideal_hit_rate(sent)
+    stats.update(_engine_stats(engine.metrics()))
+    return stats
+
+
+def _progress_bar(total: int, label: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", leave=False, dynamic_ncols=True,
+                mininterval=0.5)
+
+
+def _dist(prefix: str, values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values, np.float64) if values else np.zeros(1)
+    return {f"{prefix}_mean": float(arr.mean()), f"{prefix}_p50": float(np.percentile(arr, 50)),
+            f"{prefix}_p99": float(np.percentile(arr, 99))}
+
+
+def summarize(done: list[Finished], duration_s: float) -> dict[str, Any]:
+    """Throughputs (per second of wall time) and TTFT / TPOT / latency in seconds."""
+    ok = [f for f in done if f.error is None]
+    input_tokens = sum(f.prompt_len for f in ok)
+    output_tokens = sum(f.output_len for f in ok)
+    tpots = [(f.latency_s - f.ttft_s) / (f.output_len - 1) for f in ok if f.output_len > 1]
+    out = {"duration_s": duration_s, "completed": len(ok), "failed": len(done) - len(ok),
+           "input_tokens": input_tokens, "output_tokens": output_tokens,
+           "request_throughput": len(ok) / duration_s,
+           "input_throughput": input_tokens / duration_s,
+           "output_throughput": output_tokens / duration_s,
+           "total_token_throughput": (input_tokens + output_tokens) / duration_s}
+    out.update(_dist("ttft", [f.ttft_s for f in ok]))
+    out.update(_dist("tpot", tpots))
+    out.update(_dist("e2e_latency", [f.latency_s for f in ok]))
+    return out
+
+
+ENGINE_KEYS = ("hit_rate", "prompt_tokens", "cached_tokens", "computed_prefill_tokens",
+               "peak_token_usage", "peak_mamba_usage", "snapshots_kept", "snapshots_skipped",
+               "snapshots_evicted", "programs_compiled", "host_share", "num_steps", "preemptions")
+
+
+def _engine_stats(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: metrics[k] for k in ENGINE_KEYS if k in metrics}
