@@ -1,0 +1,101 @@
+"""The radix tree as plain data, and back: what a warm restart needs besides the pool rows.
+
+``dump_tree`` walks the public structure of a ``MambaRadixCache`` (``roots``, ``Node.children``,
+``lru_state``) and returns JSON-able dicts; ``load_tree`` rebuilds an equivalent tree in a FRESH
+cache through its public API only (``alloc_pages`` / ``alloc_slots`` / ``insert`` /
+``match_prefix``), with new page and slot ids, and returns the old -> new id maps so the caller
+can move the pool rows. Equivalent = the same states at the same token paths and the same state
+recency order; a tombstone with a single child is not recreated (matching is unaffected).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mambacache.radix_node import Node
+
+
+def _path_tokens(node: Node) -> np.ndarray:
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    parts.reverse()
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def _walk(root: Node):
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
+
+
+def dump_tree(cache: Any) -> dict[str, Any]:
+    """``{"page_size", "pages": [old page ids], "slots": [old slot ids], "states": [...]}``.
+
+    ``states`` lists every node holding a state, least recently used first: ``{"extra_key",
+    "tokens": [ids of the whole path], "pages": [old page ids of the path], "slot": old slot}``.
+    """
+    roots = getattr(cache, "roots", None)
+    if roots is None:  # the disabled cache holds nothing
+        return {"page_size": cache.page_size, "pages": [], "slots": [], "states": []}
+    for key in roots:
+        if key is not None and not isinstance(key, str):
+            raise ValueError(f"cannot save a cache namespace with extra_key {key!r}: only str "
+                             f"or None keys are saved")
+    pages = [int(p) for root in roots.values() for n in _walk(root) for p in n.pages]
+    states = []
+    for node in cache.lru_state:
+        path_pages = []
+        walk = node
+        while walk.parent is not None:
+            path_pages.append(walk.pages)
+            walk = walk.parent
+        path_pages.reverse()
+        states.append({
+            "extra_key": node.extra_key,
+            "tokens": _path_tokens(node).tolist(),
+            "pages": np.concatenate(path_pages).tolist() if path_pages else [],
+            "slot": int(node.slot),
+        })
+    return {"page_size": cache.page_size, "pages": sorted(pages),
+            "slots": sorted(s["slot"] for s in states), "states": states}
+
+
+def load_tree(cache: Any, tree: dict[str, Any]) -> tuple[dict[int, int], dict[int, int]]:
+    """Rebuild ``tree`` (from ``dump_tree``) into the empty ``cache``.
+
+    Returns ``(page_map, slot_map)``: old id -> new id. ``ValueError`` if the cache's page size
+    differs or its pools are too small for the saved tree.
+    """
+    if tree["page_size"] != cache.page_size:
+        raise ValueError(f"saved cache has page_size {tree['page_size']}, this engine "
+                         f"{cache.page_size}")
+    if not tree["states"]:
+        return {}, {}
+    if not hasattr(cache, "roots"):
+        raise ValueError("cannot restore a saved tree into a disabled cache (cache.enable=false)")
+    old_pages, old_slots = tree["pages"], tree["slots"]
+    new_pages = cache.alloc_pages(len(old_pages))
+    new_slots = cache.alloc_slots(len(old_slots))
+    if new_pages is None or new_slots is None:
+        raise ValueError(
+            f"saved cache needs {len(old_pages)} KV pages and {len(old_slots)} state slots; this "
+            f"engine has {cache.available_pages()} pages and {cache.available_slots()} slots")
+    page_map = dict(zip(old_pages, new_pages.tolist(), strict=True))
+    slot_map = dict(zip(old_slots, new_slots.tolist(), strict=True))
+    by_depth = sorted(tree["states"], key=lambda s: len(s["tokens"]))
+    for s in by_depth:
+        pages = np.asarray([page_map[p] for p in s["pages"]], dtype=np.int32)
+        depth = len(s["tokens"])
+        res = cache.insert(s["tokens"], pages, snapshots={depth: slot_map[s["slot"]]},
+                           extra_key=s["extra_key"])
+        if res.kept_len != depth:
+            raise ValueError(f"restoring the tree: state at depth {depth} was not kept")
+    for s in tree["states"]:  # recency: touch each state in the saved LRU order
+        cache.match_prefix(list(s["tokens"]) + [0], extra_key=s["extra_key"])
+    return page_map, slot_map

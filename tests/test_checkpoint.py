@@ -1,0 +1,130 @@
+"""Warm restarts: save the whole cache, restore it in a NEW process, get the same hits and outputs;
+restores onto a different model or pool layout are refused; HF -> Orbax params round trip."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import mambacache as mc
+from mambacache.checkpoint import convert_hf_to_orbax, restore_params
+from mambacache.engine import Engine
+from tests.engine_helpers import BASE, assert_same_outputs, make_engine, rand_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+SP = mc.SamplingParams(max_new_tokens=4)
+CKPT_OVERRIDES = {"cache.page_size": 4, "cache.checkpoint_interval": 16}
+
+
+def _workload(seed: int):
+    rng = np.random.default_rng(seed)
+    system = rand_tokens(rng, 40)
+    first = [system + rand_tokens(rng, 9) for _ in range(3)] + [rand_tokens(rng, 30)]
+    return first, rng
+
+
+def _next_requests(first, rng):
+    """Requests that reuse the first workload: repeats, a shared prefix, a follow-up turn."""
+    return [first[0], first[1][:44] + rand_tokens(rng, 5), first[3] + rand_tokens(rng, 7)]
+
+
+_RESTORED = """
+import json, sys
+import mambacache as mc
+from tests.engine_helpers import make_engine
+overrides, path, prompts = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+engine = make_engine(**overrides)
+engine.restore(path)
+engine.check_integrity()
+outs = [engine.generate([p], mc.SamplingParams(max_new_tokens=4))[0] for p in prompts]
+engine.check_integrity()
+print(json.dumps([[o.cached_tokens, o.output_token_ids, o.output_logprobs] for o in outs]))
+"""
+
+
+def test_restored_engine_in_new_process_has_same_hits_and_outputs(tmp_path):
+    engine = make_engine(**CKPT_OVERRIDES)
+    first, rng = _workload(0)
+    for p in first:
+        engine.generate([p], SP)
+    engine.save(str(tmp_path / "cache"))
+    nxt = _next_requests(first, rng)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESTORED, json.dumps(CKPT_OVERRIDES), str(tmp_path / "cache"),
+         json.dumps(nxt)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restored = json.loads(proc.stdout.strip().splitlines()[-1])
+    live = [engine.generate([p], SP)[0] for p in nxt]
+    assert [r[0] for r in restored] == [o.cached_tokens for o in live]
+    assert all(o.cached_tokens > 0 for o in live), [o.cached_tokens for o in live]
+    for r, o in zip(restored, live, strict=True):
+        assert r[1] == o.output_token_ids
+        np.testing.assert_allclose(r[2], o.output_logprobs, atol=1e-5, rtol=0)
+
+
+def test_restore_in_process_matches_and_cold_engine_misses(tmp_path):
+    engine = make_engine(**CKPT_OVERRIDES)
+    first, rng = _workload(1)
+    for p in first:
+        engine.generate([p], SP)
+    engine.save(str(tmp_path / "c"))
+    nxt = _next_requests(first, rng)
+    warm = make_engine(**CKPT_OVERRIDES)
+    warm.restore(str(tmp_path / "c"))
+    assert warm.cache.stats()["tree_states"] == engine.cache.stats()["tree_states"]
+    cold = make_engine(**CKPT_OVERRIDES)
+    outs_w = [warm.generate([p], SP)[0] for p in nxt]
+    outs_c = [cold.generate([p], SP)[0] for p in nxt]
+    assert all(o.cached_tokens > 0 for o in outs_w)
+    assert outs_c[0].cached_tokens == 0
+    assert_same_outputs(outs_w, outs_c)
+    warm.check_integrity()
+
+
+def test_restore_refuses_other_model_and_layout(tmp_path):
+    engine = make_engine(**CKPT_OVERRIDES)
+    for p in _workload(2)[0]:
+        engine.generate([p], SP)
+    assert engine.cache.stats()["tree_states"] > 1
+    engine.save(str(tmp_path / "c"))
+    other_seed = Engine(mc.EngineConfig().replace(**{**BASE, **CKPT_OVERRIDES, "model.seed": 7}))
+    with pytest.raises(ValueError, match="different model: parameter checksums"):
+        other_seed.restore(str(tmp_path / "c"))
+    other_arch = Engine(mc.EngineConfig().replace(
+        **{**BASE, **CKPT_OVERRIDES, "model.preset": "tiny_qwen3_5"}))
+    with pytest.raises(ValueError, match="different model: model differs"):
+        other_arch.restore(str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="page_size"):
+        make_engine(**{**CKPT_OVERRIDES, "cache.page_size": 2}).restore(str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="no meta.json"):
+        make_engine(**CKPT_OVERRIDES).restore(str(tmp_path / "missing"))
+    small = make_engine(**{**CKPT_OVERRIDES, "cache.num_mamba_slots": 1})
+    with pytest.raises(ValueError, match="state slots"):
+        small.restore(str(tmp_path / "c"))
+
+
+def test_save_refused_while_requests_run(tmp_path):
+    engine = make_engine(**CKPT_OVERRIDES)
+    engine.add_request(rand_tokens(np.random.default_rng(3), 10), SP)
+    with pytest.raises(ValueError, match="while requests run"):
+        engine.save(str(tmp_path / "c"))
+
+
+def test_hf_to_orbax_round_trip(tmp_path):
+    from models.loader import load_checkpoint
+
+    src = ROOT / "tests" / "fixtures" / "qwen3_next"
+    cfg = convert_hf_to_orbax(src, tmp_path / "orbax")
+    cfg2, params = restore_params(tmp_path / "orbax")
+    ref_cfg, ref = load_checkpoint(src)
+    assert cfg == cfg2 == ref_cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="no model.json"):
+        restore_params(tmp_path)
