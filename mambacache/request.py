@@ -64,7 +64,8 @@ class Request:
     num_computed: int = 0  # tokens fed through the model (cached ones included)
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
     prefix_inserted: bool = False
-    state_valid: bool = False  # running_slot holds the state after num_computed tokens
+    state_valid: bool = False  # state_slot holds the state after num_computed tokens
+    state_slot: int | None = None  # running_slot, or a page-boundary snapshot just written
     finish_reason: str | None = None
     error: str | None = None
     arrival_s: float = dataclasses.field(default_factory=time.perf_counter)

@@ -36,6 +36,7 @@ class ScheduledSeq:
     start: int
     end: int
     spec: SeqSpec | None = None
+    write_slot: int | None = None  # where the step leaves the state (running slot by default)
 
     @property
     def samples(self) -> bool:
@@ -129,13 +130,13 @@ class Scheduler:
         req.own_page_ids.extend(int(p) for p in pages)
         return True
 
-    def _spec(self, req: Request, start: int, end: int) -> SeqSpec:
+    def _spec(self, req: Request, start: int, end: int, write_slot: int) -> SeqSpec:
         snaps = [(pos - start, slot) for pos, slot in sorted(req.pending_snapshots.items())
                  if start < pos <= end]
         req.snapshots_in_flight.update(start + off for off, _ in snaps)
-        read = req.running_slot if req.state_valid else (req.read_slot or 0)
+        read = req.state_slot if req.state_valid else (req.read_slot or 0)
         return SeqSpec(tokens=req.token_ids[start:end], prefix_len=start, page_ids=req.page_ids,
-                       read_slot=read, write_slot=req.running_slot, snapshots=snaps)
+                       read_slot=read, write_slot=write_slot, snapshots=snaps)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -151,7 +152,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out[req.request_id] = self._scheduled(req, req.num_computed + 1)
+                out[req.request_id] = self._decode_scheduled(req)
         budget = self.cfg.scheduler.chunked_prefill_size
         for req in [r for r in self.running if r.num_remaining > 1]:
             if budget <= 0:
@@ -177,18 +178,41 @@ class Scheduler:
                 budget -= end - req.num_computed
         self.waiting.extendleft(reversed(deferred))
         for s in out.values():
-            s.spec = self._spec(s.req, s.start, s.end)
+            s.write_slot = s.write_slot or s.req.running_slot
+            s.spec = self._spec(s.req, s.start, s.end, s.write_slot)
         return list(out.values())
 
     def _scheduled(self, req: Request, end: int) -> ScheduledSeq:
         return ScheduledSeq(req, req.num_computed, end)
+
+    def _decode_scheduled(self, req: Request) -> ScheduledSeq:
+        """A decode token. With pages, a step that ends on a page boundary writes its state to a
+        fresh slot instead (a snapshot without a copy): the next step reads it and writes the
+        running slot again, so the newest page-aligned state survives to the finish. The previous
+        such snapshot is given back."""
+        s = self._scheduled(req, req.num_computed + 1)
+        if self.page_size == 1 or s.end % self.page_size or not self.cfg.cache.enable:
+            return s
+        got = self.cache.alloc_slots(1)
+        if got is None:
+            self.cache.record_skipped()
+            return s
+        stale = [slot for pos, slot in req.pending_snapshots.items() if pos < s.end]
+        if stale:
+            self.cache.free_slots(np.asarray(stale, np.int32))
+        req.pending_snapshots = {s.end: int(got[0])}
+        req.snapshots_in_flight = {s.end}
+        s.write_slot = int(got[0])
+        return s
 
     def advance(self, seq: ScheduledSeq) -> None:
         """Record that ``seq`` ran: its state is in the running slot, its KV in its pages."""
         req = seq.req
         req.num_computed = seq.end
         req.state_valid = True
-        if seq.samples and not req.prefix_inserted and req.pending_snapshots:
+        req.state_slot = seq.write_slot
+        finishes_prefill = seq.samples and (seq.start < req.prompt_len or seq.end - seq.start > 1)
+        if finishes_prefill and not req.prefix_inserted and req.pending_snapshots:
             self.insert_prefix(req)
 
     # ---- cache lifecycle -------------------------------------------------------------------
@@ -250,7 +274,7 @@ class Scheduler:
         elif snaps:
             self.cache.free_slots(np.asarray(list(snaps.values()), np.int32))
         self.cache.unlock(req.match_node)
-        req.match_node, req.running_slot, req.read_slot = None, None, None
+        req.match_node, req.running_slot, req.read_slot, req.state_slot = None, None, None, None
         req.own_page_ids, req.cached_page_ids = [], np.zeros(0, np.int32)
         req.state_valid = False
         self.running.remove(req)
