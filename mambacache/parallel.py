@@ -120,8 +120,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-    """``jax.device_put`` leaf by leaf (one leaf's full copy at most is live on the host)."""
-    return jax.tree.map(jax.device_put, tree, shardings)
+    """Put ``tree`` onto ``shardings`` leaf by leaf. Multi-process: each process builds only its
+    addressable shards from its host copy (``make_array_from_callback``)."""
+    if jax.process_count() == 1:
+        return jax.tree.map(jax.device_put, tree, shardings)
+
+    def one(x: Any, sh: Any) -> jax.Array:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def shard_engine(engine: Any) -> None:
