@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mambacache.sampling_params import SamplingParams
-from mambacache.workloads import BenchItem, ideal_hit_rate
+from mambacache.workloads import BenchItem, IdealHits
 
 ARRIVALS = ("all", "poisson")
 
@@ -79,7 +79,7 @@ def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
     heapq.heapify(heap)
     cap = bench.concurrency or None
     inflight: dict[int, BenchItem] = {}
-    sent: list[list[int]] = []
+    ideal = IdealHits()
     done: list[Finished] = []
     bar = _progress_bar(source.total, label) if progress else None
     t0 = time.perf_counter()
@@ -90,7 +90,7 @@ def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
             params = SamplingParams(max_new_tokens=item.max_new_tokens, temperature=0.0,
                                     ignore_eos=True)
             inflight[engine.add_request(item.prompt, params)] = item
-            sent.append(item.prompt)
+            ideal.send(item.prompt)
         if not engine.has_unfinished():
             if inflight:
                 raise RuntimeError(f"engine idle with {len(inflight)} requests in flight")
@@ -99,6 +99,7 @@ def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
             continue
         for out in engine.step():
             item = inflight.pop(out.request_id)
+            ideal.insert(item.prompt + out.output_token_ids[:-1])
             done.append(Finished(len(item.prompt), len(out.output_token_ids), out.cached_tokens,
                                  out.ttft_s or 0.0, out.latency_s or 0.0, out.error))
             nxt = source.follow_up(item, out.output_token_ids)
@@ -110,7 +111,7 @@ def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
     if bar is not None:
         bar.close()
     stats = summarize(done, duration_s)
-    stats["ideal_hit_rate"] = ideal_hit_rate(sent)
+    stats["ideal_hit_rate"] = ideal.rate
     stats.update(_engine_stats(engine.metrics()))
     return stats
 

@@ -4,9 +4,9 @@ A source hands out ``BenchItem``s (token-id prompts and an output length) up fro
 (``start``), and may follow a finished item with another (``follow_up``: the next turn of a
 multi-turn client). Every random choice comes from ``numpy.random.default_rng(seed)``.
 
-``ideal_hit_rate`` is the upper bound a prefix cache can reach on the prompts in the order they
-were sent: every prompt reuses its longest common prefix with any earlier prompt, capped at all
-but its last token.
+``IdealHits`` / ``ideal_hit_rate`` give the upper bound a prefix cache can reach on the prompts in
+the order they were sent: every prompt reuses its longest common prefix with anything seen
+before (earlier prompts, finished prompt + output), capped at all but its last token.
 """
 
 from __future__ import annotations
@@ -275,20 +275,44 @@ def workload_from_dict(data: dict[str, Any]) -> Any:
     return build_sections(WORKLOADS[kind], data)
 
 
-def ideal_hit_rate(prompts: Sequence[Sequence[int]]) -> float:
-    """Upper bound on the token hit rate of ``prompts`` sent in this order: each reuses its
-    longest common prefix with any earlier prompt, at most ``len - 1`` tokens."""
-    root: dict = {}
-    hit = total = 0
-    for prompt in prompts:
-        node, depth = root, 0
-        for tok in prompt:  # walk the shared part
+class IdealHits:
+    """Upper bound on the token hit rate of a run: each prompt, when sent, reuses its longest
+    common prefix with anything seen before (earlier prompts, and the prompt + output of finished
+    requests), at most ``len - 1`` tokens. A token trie of nested dicts."""
+
+    def __init__(self):
+        self.root: dict = {}
+        self.hit = self.total = 0
+
+    def send(self, prompt: Sequence[int]) -> int:
+        """Account ``prompt`` (returns its ideal hit) and remember it."""
+        node, depth = self.root, 0
+        for tok in prompt:
             nxt = node.get(tok)
             if nxt is None:
                 break
             node, depth = nxt, depth + 1
-        hit += min(depth, max(len(prompt) - 1, 0))
-        total += len(prompt)
-        for tok in prompt[depth:]:  # add the rest
+        hit = min(depth, max(len(prompt) - 1, 0))
+        self.hit += hit
+        self.total += len(prompt)
+        for tok in prompt[depth:]:
             node = node.setdefault(tok, {})
-    return hit / total if total else 0.0
+        return hit
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        """Remember ``tokens`` (a finished request's prompt + output) without accounting them."""
+        node = self.root
+        for tok in tokens:
+            node = node.setdefault(tok, {})
+
+    @property
+    def rate(self) -> float:
+        return self.hit / self.total if self.total else 0.0
+
+
+def ideal_hit_rate(prompts: Sequence[Sequence[int]]) -> float:
+    """``IdealHits`` over ``prompts`` sent in this order (nothing else inserted)."""
+    ideal = IdealHits()
+    for prompt in prompts:
+        ideal.send(prompt)
+    return ideal.rate

@@ -12,6 +12,7 @@ from mambacache.bench_runner import BenchSection, summarize
 from mambacache.workloads import (
     Branching,
     GeneratedSharedPrefix,
+    IdealHits,
     MultiTurn,
     NoReuse,
     Trace,
@@ -66,6 +67,14 @@ def test_ideal_hit_rate_identical_prompts():
     assert ideal_hit_rate([[1, 2, 3], [1, 2, 4], [1, 2, 3, 5], [7]]) == pytest.approx(
         (0 + 2 + 3 + 0) / 11)
     assert ideal_hit_rate([]) == 0.0
+
+
+def test_ideal_hits_counts_finished_outputs():
+    ideal = IdealHits()
+    assert ideal.send([1, 2, 3]) == 0
+    ideal.insert([1, 2, 3, 8, 9])  # finished: prompt + output
+    assert ideal.send([1, 2, 3, 8, 9, 4]) == 5  # next turn reuses the output too
+    assert ideal.rate == pytest.approx(5 / 9)
 
 
 def test_multi_turn_appends_output_and_message():
