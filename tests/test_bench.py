@@ -184,3 +184,15 @@ def test_main_end_to_end_identical(tmp_path):
     assert data["cache_on"]["computed_prefill_tokens"] < data["cache_off"][
         "computed_prefill_tokens"]
     assert data["cache_on"]["timed_new_programs"] == 0
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+    import sys
+
+    from mambacache.bench_report import require_matplotlib
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    with pytest.raises(RuntimeError, match="pip install"):
+        require_matplotlib()
+    with pytest.raises(RuntimeError, match="matplotlib"):
+        main(["--config", str(CONFIGS / "gsp_identical.toml"), "--plot", "x.png", "--quiet"])
