@@ -108,3 +108,32 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+MD_HEADER = ("| preset | mode | req/s | input tok/s | output tok/s | TTFT mean / p99 (ms) "
+             "| TPOT mean (ms) | hit rate (ideal) | computed prefill | on/off throughput |\n"
+             "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def markdown_rows(result: dict[str, Any]) -> list[str]:
+    """Two README table rows (cache on, cache off) for one ``--out`` JSON."""
+    name = Path(str(result.get("config", "?"))).stem
+    rows = []
+    for mode in ("cache_on", "cache_off"):
+        m = result[mode]
+        ratio = f"{result['ratios']['request_throughput']:.2f}x" if mode == "cache_on" else ""
+        rows.append(f"| {name} | {mode.replace('cache_', '')} | {m['request_throughput']:.2f} "
+                    f"| {m['input_throughput']:.0f} | {m['output_throughput']:.1f} "
+                    f"| {1000 * m['ttft_mean']:.0f} / {1000 * m['ttft_p99']:.0f} "
+                    f"| {_fmt(m['tpot_mean'], 'ms')} "
+                    f"| {m['hit_rate']:.3f} ({m['ideal_hit_rate']:.3f}) "
+                    f"| {m['computed_prefill_tokens']} | {ratio} |")
+    return rows
+
+
+if __name__ == "__main__":  # python -m mambacache.bench_report a.json b.json: a markdown table
+    import sys
+
+    print(MD_HEADER)
+    for arg in sys.argv[1:]:
+        print("\n".join(markdown_rows(json.loads(Path(arg).read_text()))))

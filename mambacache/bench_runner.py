@@ -123,8 +123,11 @@ def _progress_bar(total: int, label: str):
                 mininterval=0.5)
 
 
-def _dist(prefix: str, values: list[float]) -> dict[str, float]:
-    arr = np.asarray(values, np.float64) if values else np.zeros(1)
+def _dist(prefix: str, values: list[float]) -> dict[str, float | None]:
+    """Mean, p50, p99 of ``values``; None when there are none (e.g. TPOT of 1-token outputs)."""
+    if not values:
+        return {f"{prefix}_{s}": None for s in ("mean", "p50", "p99")}
+    arr = np.asarray(values, np.float64)
     return {f"{prefix}_mean": float(arr.mean()), f"{prefix}_p50": float(np.percentile(arr, 50)),
             f"{prefix}_p99": float(np.percentile(arr, 99))}
 
