@@ -97,8 +97,8 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (title, keys, scale) in zip(axes, panels, strict=True):
         xs = range(len(keys))
-        ax.bar([x - 0.2 for x in xs], [on[k] * scale for k in keys], 0.4, label="cache on")
-        ax.bar([x + 0.2 for x in xs], [off[k] * scale for k in keys], 0.4, label="cache off")
+        ax.bar([x - 0.2 for x in xs], [(on[k] or 0) * scale for k in keys], 0.4, label="cache on")
+        ax.bar([x + 0.2 for x in xs], [(off[k] or 0) * scale for k in keys], 0.4, label="cache off")
         ax.set_xticks(list(xs), [k.replace("_", "\n") for k in keys], fontsize=8)
         ax.set_title(title)
         if title == "throughput":
