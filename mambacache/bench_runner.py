@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mambacache.sampling_params import SamplingParams
-from mambacache.workloads import BenchItem, IdealHits
+from mambacache.workloads import BenchItem, IdealHits, check_ints
 
 ARRIVALS = ("all", "poisson")
 
@@ -42,10 +42,8 @@ class BenchSection:
     def __post_init__(self):
         if self.arrival not in ARRIVALS:
             raise ValueError(f"bench.arrival must be one of {ARRIVALS}, got {self.arrival!r}")
-        for name, lo in (("concurrency", 0), ("seed", 0), ("warmup", 0), ("repeats", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"bench.{name} must be an int >= {lo}, got {v!r}")
+        check_ints(self, ("concurrency", "seed", "warmup"), 0, section="bench")
+        check_ints(self, ("repeats",), 1, section="bench")
         if not isinstance(self.rate, int | float) or self.rate < 0:
             raise ValueError(f"bench.rate must be >= 0, got {self.rate!r}")
         if self.arrival == "poisson" and self.rate <= 0:

@@ -27,9 +27,14 @@ from mambacache.sampling_params import SamplingParams
 from mambacache.scheduler import ScheduledSeq, Scheduler
 
 
+def model_dtype(cfg: EngineConfig) -> Any:
+    """The JAX dtype of ``model.dtype`` (params, KV pages and conv states; SSM states are fp32)."""
+    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
 def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
     """(model config, params) from ``model.path`` (Hugging Face directory) or ``model.preset``."""
-    dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+    dtype = model_dtype(cfg)
     if cfg.model.path is not None:
         from models.loader import load_checkpoint
 
@@ -46,9 +51,8 @@ class Engine:
         """``model``: an already loaded ``(model_cfg, params)`` to share between engines."""
         self.cfg = cfg = cfg if cfg is not None else EngineConfig()
         self.model_cfg, params = model if model is not None else load_model(cfg)
-        dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
         pools = PoolState.create(self.model_cfg, cfg.cache.num_pages, cfg.cache.page_size,
-                                 cfg.cache.num_mamba_slots, dtype)
+                                 cfg.cache.num_mamba_slots, model_dtype(cfg))
         self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
                                   page_size=cfg.cache.page_size,
                                   max_seqs=cfg.scheduler.max_running_requests)

@@ -157,10 +157,7 @@ class Scheduler:
         for req in [r for r in self.running if r.num_remaining > 1]:
             if budget <= 0:
                 break
-            end = req.num_computed + min(req.num_remaining, budget)
-            if self._grow(req, end):
-                out[req.request_id] = self._scheduled(req, end)
-                budget -= end - req.num_computed
+            budget = self._add_chunk(req, budget, out)
         max_running = self.cfg.scheduler.max_running_requests
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
@@ -172,15 +169,20 @@ class Scheduler:
             if verdict == "full":
                 self.waiting.appendleft(req)
                 break
-            end = req.num_computed + min(req.num_remaining, budget)
-            if self._grow(req, end):
-                out[req.request_id] = self._scheduled(req, end)
-                budget -= end - req.num_computed
+            budget = self._add_chunk(req, budget, out)
         self.waiting.extendleft(reversed(deferred))
         for s in out.values():
             s.write_slot = s.write_slot or s.req.running_slot
             s.spec = self._spec(s.req, s.start, s.end, s.write_slot)
         return list(out.values())
+
+    def _add_chunk(self, req: Request, budget: int, out: dict[int, ScheduledSeq]) -> int:
+        """Schedule the next prefill chunk of ``req`` within ``budget``; the budget left."""
+        end = req.num_computed + min(req.num_remaining, budget)
+        if not self._grow(req, end):
+            return budget  # the pool is short: the request waits for pages
+        out[req.request_id] = self._scheduled(req, end)
+        return budget - (end - req.num_computed)
 
     def _scheduled(self, req: Request, end: int) -> ScheduledSeq:
         return ScheduledSeq(req, req.num_computed, end)

@@ -27,11 +27,12 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _check_ints(obj: Any, names: Sequence[str], minimum: int) -> None:
+def check_ints(obj: Any, names: Sequence[str], minimum: int, section: str = "workload") -> None:
+    """``ValueError`` unless each field in ``names`` is an int (not a bool) >= ``minimum``."""
     for name in names:
         value = getattr(obj, name)
         _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-                 f"workload.{name} must be an int >= {minimum}, got {value!r}")
+                 f"{section}.{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_ratio(value: Any) -> None:
@@ -89,8 +90,8 @@ class GeneratedSharedPrefix:
     ordered: bool = False
 
     def __post_init__(self):
-        _check_ints(self, ("num_groups", "prompts_per_group"), 1)
-        _check_ints(self, ("system_prompt_len", "question_len", "output_len"), 0)
+        check_ints(self, ("num_groups", "prompts_per_group"), 1)
+        check_ints(self, ("system_prompt_len", "question_len", "output_len"), 0)
         _require(self.system_prompt_len + self.question_len > 0,
                  "workload.system_prompt_len + question_len must be > 0")
         _check_ratio(self.range_ratio)
@@ -126,8 +127,8 @@ class MultiTurn:
     shared_system_prompt: bool = True
 
     def __post_init__(self):
-        _check_ints(self, ("num_clients", "num_rounds", "user_len", "output_len"), 1)
-        _check_ints(self, ("system_prompt_len",), 0)
+        check_ints(self, ("num_clients", "num_rounds", "user_len", "output_len"), 1)
+        check_ints(self, ("system_prompt_len",), 0)
         _check_ratio(self.range_ratio)
         _require(isinstance(self.shared_system_prompt, bool),
                  f"workload.shared_system_prompt must be a bool, got {self.shared_system_prompt!r}")
@@ -175,7 +176,7 @@ class NoReuse:
     range_ratio: float = 1.0
 
     def __post_init__(self):
-        _check_ints(self, ("num_prompts", "input_len", "output_len"), 1)
+        check_ints(self, ("num_prompts", "input_len", "output_len"), 1)
         _check_ratio(self.range_ratio)
 
     def source(self, vocab: int, seed: int) -> StaticSource:
@@ -203,8 +204,8 @@ class Branching:
     ordered: bool = False
 
     def __post_init__(self):
-        _check_ints(self, ("num_trees", "branch_factor", "depth", "segment_len", "output_len"), 1)
-        _check_ints(self, ("fewshot_len",), 0)
+        check_ints(self, ("num_trees", "branch_factor", "depth", "segment_len", "output_len"), 1)
+        check_ints(self, ("fewshot_len",), 0)
         _check_ratio(self.range_ratio)
 
     def source(self, vocab: int, seed: int) -> StaticSource:
@@ -236,7 +237,7 @@ class Trace:
     def __post_init__(self):
         _require(isinstance(self.path, str) and self.path != "",
                  "workload.path must name a JSONL trace file")
-        _check_ints(self, ("max_requests",), 0)
+        check_ints(self, ("max_requests",), 0)
 
     def source(self, vocab: int, seed: int) -> StaticSource:
         path = Path(self.path)
