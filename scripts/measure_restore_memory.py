@@ -1,11 +1,17 @@
-"""Peak host memory of restoring an Orbax model onto a TP mesh, vs restoring it whole first.
+"""Per-device peak memory of restoring an Orbax model onto a TP mesh, vs restoring it whole first.
 
-On CPU every forced "device" lives in this process, so per-device residency cannot show a whole
-model landing on one device; the process's peak RSS can: restoring each shard straight onto its
-device peaks near 1x the model's bytes, while restoring the whole model and then resharding
-peaks near 2x. Usage (each mode runs in a fresh subprocess):
+Each (TP, mode) runs in a fresh subprocess: ``mambacache.device_memory.measure_restore`` reports
+each device's peak of live jax buffers (sampled at every device-array creation point) and,
+on GPU/TPU, the allocator's ``peak_bytes_in_use``; the process's peak RSS is printed beside it
+(on CPU all forced devices and Orbax's host staging buffers share that one process).
 
-    python scripts/measure_restore_memory.py [--hidden 1024] [--vocab 32000] [--tp 4]
+Modes: ``sharded`` = ``restore_params(dir, mesh)``; ``naive`` = restore whole onto device 0,
+then ``jax.device_put`` to the TP shardings. Usage:
+
+    python scripts/measure_restore_memory.py [--hidden 1024] [--vocab 32000] [--tp 2 4]
+        [--cpu-devices 4] [--out results.json]
+
+``--cpu-devices N`` forces N host devices (CPU); ``--cpu-devices 0`` uses the real backend.
 """
 
 from __future__ import annotations
@@ -18,29 +24,22 @@ import sys
 import tempfile
 
 WORKER = r"""
-import dataclasses, json, resource, sys
-import jax, numpy as np
-from mambacache.checkpoint import restore_params
-from mambacache.parallel import make_mesh, param_shardings
+import json, resource, sys
+import jax
+from mambacache.device_memory import measure_restore
 
 def rss_mib():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 
 out_dir, mode, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-mesh = make_mesh(tp)
 jax.numpy.zeros(1).block_until_ready()
 base = rss_mib()
-if mode == "sharded":
-    _, params = restore_params(out_dir, mesh)
-else:  # the naive path: the whole model on one device, then resharded
-    _, params = restore_params(out_dir, None)
-    params = jax.device_put(params, param_shardings(params, mesh))
-jax.block_until_ready(params)
+rep = measure_restore(out_dir, tp, mode)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-print(json.dumps({"mode": mode, "model_mib": nbytes / 2**20, "base_rss_mib": base,
-                  "peak_rss_mib": peak, "peak_over_model": (peak - base) / (nbytes / 2**20)}))
+rep.update(backend=jax.default_backend(), base_rss_mib=base, peak_rss_mib=peak,
+           rss_peak_over_model=(peak - base) / (rep["model_bytes"] / 2**20))
+print(json.dumps(rep))
 """
 
 SAVE = r"""
@@ -55,21 +54,54 @@ save_params(sys.argv[1], cfg, init_params(cfg, seed=0))
 """
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown rows: one per (TP, mode), per-device peaks as x model bytes."""
+    out = ["| TP | mode | model MiB | per-device live peak / model | allocator peak / model "
+           "| largest buffer MiB (largest param) | RSS peak / model |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        devs = r["devices"].values()
+        live = " ".join(f"{d['peak_over_model']:.3f}" for d in devs)
+        stats = [d["stats_peak_bytes"] for d in devs]
+        alloc = ("n/a" if any(s is None for s in stats)
+                 else " ".join(f"{s / r['model_bytes']:.3f}" for s in stats))
+        out.append(f"| {r['tp']} | {r['mode']} | {_mib(r['model_bytes'])} | {live} | {alloc} "
+                   f"| {_mib(r['largest_buffer']['bytes'])} ({_mib(r['largest_param_bytes'])}) "
+                   f"| {r['rss_peak_over_model']:.2f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--cpu-devices", type=int, default=4)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.tp}",
-           "JAX_PLATFORMS": "cpu"}
+    env = dict(os.environ)
+    if args.cpu_devices:
+        if max(args.tp) > args.cpu_devices:
+            raise ValueError(f"--tp {max(args.tp)} exceeds --cpu-devices {args.cpu_devices}")
+        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={args.cpu_devices}",
+                   JAX_PLATFORMS="cpu")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-c", SAVE, tmp + "/m", str(args.hidden), str(args.vocab)],
                        check=True, env=env)
-        for mode in ("sharded", "whole_then_reshard"):
-            out = subprocess.run([sys.executable, "-c", WORKER, tmp + "/m", mode, str(args.tp)],
-                                 check=True, env=env, capture_output=True, text=True).stdout
-            print(json.dumps(json.loads(out.strip().splitlines()[-1])))
+        for tp in args.tp:
+            for mode in ("sharded", "naive"):
+                out = subprocess.run([sys.executable, "-c", WORKER, tmp + "/m", mode, str(tp)],
+                                     check=True, env=env, capture_output=True, text=True).stdout
+                rows.append(json.loads(out.strip().splitlines()[-1]))
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
