@@ -24,6 +24,7 @@ FREE, HELD, TREE, RESERVED, FOREIGN = 0, 1, 2, 3, 4
 _STATE_NAMES = {FREE: "free", HELD: "held by a request", TREE: "owned by the tree",
                 RESERVED: "reserved", FOREIGN: "foreign"}
 _BYTE = {k: bytes([k]) for k in _STATE_NAMES}
+_SMALL = 8  # calls with at most this many ids take a pure-Python path (numpy costs ~1 us a call)
 
 
 class IdAllocator:
@@ -39,7 +40,10 @@ class IdAllocator:
         self._top = self.num_ids
         # status of ids 0..num_ids, then FOREIGN entries so that a negative or too large id
         # looked up by fancy indexing lands on FOREIGN (or raises IndexError) instead of wrapping
-        self._status = np.full(2 * self.num_ids + 2, FOREIGN, dtype=np.int8)
+        # The status lives in a bytearray: Python indexes it at Python speed (the small-count
+        # paths below), numpy views the same bytes for the vectorised paths.
+        self._status_bytes = bytearray([FOREIGN]) * (2 * self.num_ids + 2)
+        self._status = np.frombuffer(self._status_bytes, dtype=np.int8)
         self._status[1:self.num_ids + 1] = FREE
         self._status[0] = RESERVED
         self._mark = np.zeros(self.num_ids + 1, dtype=np.int32)
@@ -73,18 +77,25 @@ class IdAllocator:
         """``int32[num]`` fresh ids (now HELD), or ``None`` if fewer than ``num`` are free."""
         if num < 0:
             raise ValueError(f"{self.name} alloc of a negative count {num}")
-        if num > self._top:
+        top = self._top
+        if num > top:
             return None
-        ids = self._stack[self._top - num:self._top].copy()
-        self._top -= num
-        self._status[ids] = HELD
+        ids = self._stack[top - num:top].copy()
+        self._top = top - num
+        if num <= _SMALL:
+            status = self._status_bytes
+            for i in ids.tolist():
+                status[i] = HELD
+        else:
+            self._status.put(ids, HELD)
         self._num_held += num
         return ids
 
     def free(self, ids) -> None:
         """Return ids a request holds (HELD -> FREE). ``ids``: int32 array or list of ints."""
         ids = self._transition(ids, HELD, FREE, "free")
-        self._push(ids)
+        if len(ids):
+            self._push(ids)
         self._num_held -= len(ids)
 
     def adopt(self, ids) -> None:
@@ -113,15 +124,17 @@ class IdAllocator:
         return arr.astype(np.int32, copy=False)
 
     def _transition(self, ids, expected: int, new: int, verb: str) -> np.ndarray:
-        if type(ids) is list and len(ids) <= 8:
+        if type(ids) is list and len(ids) <= _SMALL:
             return self._transition_small(ids, expected, new, verb)
         if type(ids) is not np.ndarray or ids.dtype != np.int32 or ids.ndim != 1:
             ids = self._validated(ids, verb)
         n = ids.size
-        if n == 0:
+        if n <= _SMALL:
+            if n:
+                self._transition_small(ids.tolist(), expected, new, verb)
             return ids
         try:  # viewed as uint32, a negative id raises IndexError; num_ids < id <= 2 num_ids + 1
-            status = self._status[ids.view(np.uint32)]  # lands on FOREIGN; larger ones raise
+            status = self._status.take(ids.view(np.uint32))  # on FOREIGN; larger ones raise
         except IndexError:
             status = None
         if status is None or status.tobytes() != _BYTE[expected] * n:
@@ -129,22 +142,22 @@ class IdAllocator:
             self._raise_status(ids, status, expected, verb)
         if n > 1:  # duplicates: scatter positions, gather back; a repeat keeps its last position
             positions = self._arange[:n]
-            self._mark[ids] = positions
-            if self._mark[ids].tobytes() != positions.tobytes():
+            self._mark.put(ids, positions)
+            if self._mark.take(ids).tobytes() != positions.tobytes():
                 raise ValueError(f"{self.name} {verb}: duplicate ids in {ids.tolist()[:16]}")
-        self._status[ids] = new
+        self._status.put(ids, new)
         return ids
 
     def _transition_small(self, ids: list, expected: int, new: int, verb: str) -> np.ndarray:
         """Python path for a few ids given as a list (snapshot slots): no numpy temporaries."""
-        status, n = self._status, self.num_ids
+        status, n = self._status_bytes, self.num_ids
         for i in ids:
             if type(i) is not int or not 1 <= i <= n:
                 self._validated(ids, verb)  # raises on a foreign id
             if status[i] != expected:
                 arr = np.asarray(ids, dtype=np.int32)
-                self._raise_status(arr, status[arr], expected, verb)
-        if len(set(ids)) != len(ids):
+                self._raise_status(arr, self._status[arr], expected, verb)
+        if len(ids) > 1 and len(set(ids)) != len(ids):
             raise ValueError(f"{self.name} {verb}: duplicate ids in {ids}")
         for i in ids:
             status[i] = new
@@ -152,7 +165,7 @@ class IdAllocator:
 
     def release_one(self, i: int) -> None:
         """``release_trusted`` of a single id (a state slot on eviction)."""
-        self._status[i] = FREE
+        self._status_bytes[i] = FREE
         self._stack[self._top] = i
         self._top += 1
         self._num_tree -= 1
@@ -168,7 +181,12 @@ class IdAllocator:
     def release_trusted(self, ids: np.ndarray) -> None:
         """``release`` without checks, for ids the tree itself hands back (eviction); the
         integrity check audits them."""
-        self._status[ids] = FREE
+        if len(ids) <= _SMALL:
+            status = self._status_bytes
+            for i in ids.tolist():
+                status[i] = FREE
+        else:
+            self._status.put(ids, FREE)
         self._push(ids)
         self._num_tree -= len(ids)
 

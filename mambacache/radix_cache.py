@@ -44,6 +44,8 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 def _as_tokens(ids) -> np.ndarray:
+    if type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1:
+        return ids
     arr = np.asarray(ids, dtype=np.int32)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
@@ -97,30 +99,32 @@ class MambaRadixCache(TreeEviction, CacheBase):
         after ``partial_len`` tokens (``None`` if they leave at a node boundary).
         """
         ps = self.page_size
+        raw = tokens.tobytes()  # bytes slices are ~5x cheaper than numpy slices + tobytes
         node, pos, path = root, 0, []
         while pos < limit:
-            child = node.children.get(tokens[pos:pos + ps].tobytes())
+            child = node.children.get(raw[4 * pos:4 * (pos + ps)])
             if child is None:
                 break
             klen = len(child.key)
             n = min(klen, limit - pos)
-            seg = tokens[pos:pos + n]
-            key = child.key if n == klen else child.key[:n]
-            if key.tobytes() == seg.tobytes():
+            key = child.key.tobytes() if n == klen else child.key[:n].tobytes()
+            if key == raw[4 * pos:4 * (pos + n)]:
                 same = n
             else:
-                same = int(np.flatnonzero(key != seg)[0]) // ps * ps
+                diff = child.key[:n] != tokens[pos:pos + n]
+                same = int(np.flatnonzero(diff)[0]) // ps * ps
             if same < klen:
                 return path, pos + same, child, same
             path.append(child)
             node, pos = child, pos + klen
         return path, pos, None, 0
 
-    def _nodes_ending_at(self, root: Node, tokens: np.ndarray, positions: list[int]) -> list[Node]:
+    def _nodes_ending_at(self, start: Node, tokens: np.ndarray, positions: list[int]) -> list[Node]:
         """The nodes ending exactly at each of the sorted ``positions`` on the (existing) path of
-        ``tokens``, splitting edges as needed; position 0 is the root."""
+        ``tokens`` below ``start`` (a node on that path, at most as deep as the first position),
+        splitting edges as needed; a position equal to ``start.depth`` gives ``start``."""
         ps = self.page_size
-        node, depth, out = root, 0, []
+        node, depth, out = start, start.depth, []
         for pos in positions:
             while depth < pos:
                 child = node.children[tokens[depth:depth + ps].tobytes()]
@@ -212,7 +216,7 @@ class MambaRadixCache(TreeEviction, CacheBase):
         and slot passed; see ``InsertResult`` for what was kept.
         """
         ps = self.page_size
-        tokens, pages = _as_tokens(token_ids), np.asarray(page_ids, dtype=np.int32)
+        tokens, pages = _as_tokens(token_ids), _as_tokens(page_ids)  # 0. validate
         whole = len(tokens) // ps * ps
         if pages.shape != (-(-len(tokens) // ps),):
             raise ValueError(f"insert: {len(tokens)} tokens need {-(-len(tokens) // ps)} pages of "
@@ -220,23 +224,35 @@ class MambaRadixCache(TreeEviction, CacheBase):
         root = self.roots.get(extra_key)
         if root is None:
             root = self.roots[extra_key] = make_root(extra_key)
+        # 1. where the sequence leaves the tree; which snapshots are taken; how much is kept
         path, shared_end, partial, partial_len = self._walk(root, tokens, whole)
-        accepted, rejected = self._classify(snapshots or {}, path, shared_end, whole)
-        kept = max([n.depth for n in path if n.slot is not None] + accepted + [0])
-        new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept)
         snaps = snapshots or {}
+        accepted, rejected = self._classify(snaps, path, shared_end, whole)
+        kept = max([n.depth for n in path if n.slot is not None] + accepted + [0])
+        # 2. ids: duplicate and surplus pages freed, new pages adopted, slots freed or adopted
+        new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept)
         if rejected:
             self.slots.free([int(snaps[p]) for p in rejected])
         if accepted:
             self.slots.adopt([int(snaps[p]) for p in accepted])
+        # 3. nodes ending at each accepted position and at ``kept``: a chain of new ones past the
+        #    shared prefix, then existing ones (split where a position falls inside an edge)
+        at: dict[int, Node] = {}
         if kept > shared_end:
             parent = self._split(partial, partial_len) if partial is not None else (
                 path[-1] if path else root)
-            leaf = Node(tokens[shared_end:kept].copy(), new_pages, parent, kept, extra_key)
-            parent.children[leaf.key[:ps].tobytes()] = leaf
-            self.lru_all[leaf] = None
-        nodes = self._nodes_ending_at(root, tokens, accepted + [kept])
-        for pos, node in zip(accepted, nodes, strict=False):
+            ends = [p for p in accepted if p > shared_end]
+            at.update(zip(ends, self._new_chain(parent, tokens, new_pages, shared_end, ends,
+                                                 extra_key), strict=True))
+        old = [p for p in accepted if p <= shared_end]
+        if kept <= shared_end:
+            old.append(kept)
+        if old:
+            start = self._deepest_above(root, path, old)
+            at.update(zip(old, self._nodes_ending_at(start, tokens, old), strict=True))
+        # 4. the states go into their nodes (most recent last in both orders)
+        for pos in accepted:
+            node = at[pos]
             node.slot = int(snaps[pos])
             self.lru_state[node] = None
             self.lru_all.move_to_end(node)
@@ -244,8 +260,34 @@ class MambaRadixCache(TreeEviction, CacheBase):
         self.counters["snapshots_rejected"] += len(rejected)
         if not root.children and extra_key is not None:
             del self.roots[extra_key]
-        return InsertResult(kept, nodes[-1], tuple(accepted), tuple(rejected), len(new_pages),
+        return InsertResult(kept, at[kept], tuple(accepted), tuple(rejected), len(new_pages),
                             num_freed)
+
+    @staticmethod
+    def _deepest_above(root: Node, path: list[Node], positions: list[int]) -> Node:
+        """The deepest node of ``path`` (or the root) ending at or above ``positions[0]``."""
+        start = root
+        for node in path:
+            if node.depth > positions[0]:
+                break
+            start = node
+        return start
+
+    def _new_chain(self, parent: Node, tokens: np.ndarray, pages: np.ndarray, begin: int,
+                   ends: list[int], extra_key: Any) -> list[Node]:
+        """New nodes below ``parent`` for ``tokens[begin:ends[-1]]`` (KV ``pages``), one ending at
+        each of the sorted ``ends``; returns them top down."""
+        ps = self.page_size
+        key = tokens[begin:ends[-1]].copy()
+        out, pos = [], begin
+        for end in ends:
+            lo, hi = pos - begin, end - begin
+            node = Node(key[lo:hi], pages[lo // ps:hi // ps], parent, end, extra_key)
+            parent.children[node.key[:ps].tobytes()] = node
+            self.lru_all[node] = None
+            out.append(node)
+            parent, pos = node, end
+        return out
 
     def _classify(self, snapshots: dict[int, int], path: list[Node], shared_end: int,
                   whole: int) -> tuple[list[int], list[int]]:
@@ -279,10 +321,13 @@ class MambaRadixCache(TreeEviction, CacheBase):
             offset += len(tree)
         to_free.append(pages[max(shared_end, kept) // ps:])
         to_free = np.concatenate(to_free) if len(to_free) > 1 else to_free[0]
-        new = pages[n_shared:kept // ps] if kept > shared_end else _EMPTY
-        self.pages.free(to_free)
+        if len(to_free):
+            self.pages.free(to_free)
+        if kept <= shared_end:
+            return _EMPTY, len(to_free)
+        new = pages[n_shared:kept // ps].copy()
         self.pages.adopt(new)
-        return new.copy(), len(to_free)
+        return new, len(to_free)
 
 
 def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page_size: int = 1,

@@ -119,7 +119,7 @@ def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, cfg: CacheConfig)
 
 def _finish(cache: Any, r: _Running, page_size: int) -> None:
     total = len(r.tokens) + 1
-    snaps = dict(r.snapshots)
+    snaps = r.snapshots  # the request's own dict: insert takes it over
     end = end_snapshot_position(total, page_size)
     if end_snapshot_is_running_state(total, page_size) and end not in snaps:
         snaps[end] = r.running_slot

@@ -37,7 +37,9 @@ def plan_snapshots(prompt_len: int, cached_len: int, branch_len: int, page_size:
         step = checkpoint_interval
         first = (cached_len // step + 1) * step
         cands.update(_floor(p, page_size) for p in range(first, prompt_len, step))
-    return sorted(p for p in cands if cached_len < p < prompt_len)
+    out = [p for p in cands if cached_len < p < prompt_len]
+    out.sort()
+    return out
 
 
 def end_snapshot_position(total_len: int, page_size: int) -> int:
@@ -56,14 +58,16 @@ def end_snapshot_is_running_state(total_len: int, page_size: int) -> bool:
 def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | None = None,
                           prompt_len: int | None = None, page_size: int = 1) -> dict[int, int]:
     """``{position: slot}`` for the positions that got a slot; the rest are counted as skipped."""
-    preferred = set()
-    if branch_len is not None:
-        preferred.add(_floor(branch_len, page_size))
-    if prompt_len is not None:
-        preferred.add(_floor(prompt_len - 1, page_size))
-    order = sorted(positions, key=lambda p: (p not in preferred, -p))
-    if not order:
+    if not positions:
         return {}
+    order = list(positions)
+    if len(order) > 1:
+        preferred = set()
+        if branch_len is not None:
+            preferred.add(_floor(branch_len, page_size))
+        if prompt_len is not None:
+            preferred.add(_floor(prompt_len - 1, page_size))
+        order.sort(key=lambda p: (p not in preferred, -p))
     got = cache.alloc_slots(len(order))
     if got is not None:
         return dict(zip(order, got.tolist(), strict=True))
