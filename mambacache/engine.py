@@ -33,9 +33,22 @@ def model_dtype(cfg: EngineConfig) -> Any:
 
 
 def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
-    """(model config, params) from ``model.path`` (Hugging Face directory) or ``model.preset``."""
+    """(model config, params) from ``model.path`` or ``model.preset``.
+
+    ``model.path``: an Orbax directory (``checkpoint.convert_hf_to_orbax`` / ``save_params``:
+    holds ``model.json``), restored straight onto the ``parallel.tensor_parallel`` mesh so no
+    device holds the whole model; otherwise a Hugging Face directory.
+    """
+    from pathlib import Path
+
     dtype = model_dtype(cfg)
     if cfg.model.path is not None:
+        if (Path(cfg.model.path) / "model.json").is_file():
+            from mambacache.checkpoint import restore_params
+            from mambacache.parallel import make_mesh
+
+            tp = cfg.parallel.tensor_parallel
+            return restore_params(cfg.model.path, make_mesh(tp) if tp > 1 else None, dtype)
         from models.loader import load_checkpoint
 
         return load_checkpoint(cfg.model.path, dtype=dtype)

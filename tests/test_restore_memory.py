@@ -25,18 +25,35 @@ ROOT = Path(__file__).resolve().parents[1]
 _WORKER = """
 import dataclasses, json, tempfile
 import jax
+import mambacache as mc
 from mambacache.checkpoint import save_params
-from mambacache.device_memory import measure_restore
+from mambacache.device_memory import DeviceMemoryTracker, measure_restore
+from mambacache.engine import Engine
+from mambacache.parallel import per_device_bytes
 from models.params import init_params
 from models.presets import get_preset
 
 assert len(jax.devices()) == 4, jax.devices()
 cfg = dataclasses.replace(get_preset("tiny_qwen3_next"), num_key_value_heads=4,
                           linear_num_key_heads=4, linear_num_value_heads=8)
+params = init_params(cfg, seed=0)
 with tempfile.TemporaryDirectory() as d:
-    save_params(d, cfg, init_params(cfg, seed=0))
+    save_params(d, cfg, params)
     out = {f"{mode}{tp}": measure_restore(d, tp, mode)
            for tp in (2, 4) for mode in ("sharded", "naive")}
+    # an engine whose model.path is the Orbax directory restores onto its TP-4 mesh
+    base = {"cache.num_kv_tokens": 64, "cache.num_mamba_slots": 4, "cache.page_size": 4,
+            "scheduler.max_running_requests": 2, "scheduler.chunked_prefill_size": 32,
+            "model.kernels": "reference", "parallel.tensor_parallel": 4}
+    with DeviceMemoryTracker() as tracker:
+        engine = Engine(mc.EngineConfig().replace(**{**base, "model.path": d}))
+    ref = Engine(mc.EngineConfig().replace(**base), model=(cfg, params))
+    prompt, sp = list(range(3, 30)), mc.SamplingParams(max_new_tokens=3)
+    outs = [e.generate([prompt], sp)[0] for e in (engine, ref)]
+    out["engine"] = dict(report=tracker.report(), per_device=per_device_bytes(engine.runner.params),
+                         tokens=[o.output_token_ids for o in outs],
+                         logprobs=[o.output_logprobs for o in outs],
+                         model_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
 print(json.dumps(out))
 """
 
@@ -78,6 +95,19 @@ def test_naive_restore_materialises_whole_model_on_device0(restore_run, tp):
     # the sharded restore's device-0 peak is below the naive one by about the whole model
     sharded = restore_run[f"sharded{tp}"]["devices"]["0"]["peak_over_model"]
     assert peaks["0"]["peak_over_model"] - sharded >= 0.99
+
+
+def test_engine_model_path_orbax_restores_onto_mesh(restore_run):
+    run = restore_run["engine"]
+    model = run["model_bytes"]
+    assert run["tokens"][0] == run["tokens"][1]  # same as the in-memory params at TP 4
+    np.testing.assert_allclose(run["logprobs"][0], run["logprobs"][1], atol=1e-5, rtol=0)
+    assert len(run["per_device"]) == 4
+    assert max(run["per_device"].values()) < 0.4 * model, run["per_device"]
+    # Engine construction never held the model on one device. The peak also counts the pools,
+    # which PoolState.create builds whole on device 0 before sharding them: kept tiny here
+    peaks = [row["peak_bytes"] for row in run["report"]["devices"].values()]
+    assert max(peaks) < 0.6 * model, (peaks, model)
 
 
 def test_tracker_sees_a_freed_transient_and_unpatches():
