@@ -1,5 +1,6 @@
-"""GPU (Pallas Triton) gated delta rule kernels: interpreted against the references on CPU, and
-lowered for CUDA (Pallas -> Triton IR) with ``jax.export`` from this CPU machine.
+"""GPU (Pallas Triton) gated delta rule kernels: interpreted against the references on CPU
+(``PALLAS_INTERPRET=0`` compiles them, on a GPU), and lowered for CUDA (Pallas -> Triton IR)
+with ``jax.export`` from this CPU machine.
 
 Tolerances as ``tests/test_kernels_gdr.py``: fp32 outputs and states 1e-4 (the chunked form
 reorders fp32 sums); bf16 inputs give bf16 outputs compared at 2e-2 (one bf16 ulp is 2^-8
@@ -16,10 +17,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gated_delta_rule as gdr
+from pallas_kernels._common import interpret_default
 from pallas_kernels.gpu import gated_delta_rule as ggdr
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
+INTERPRET = interpret_default()
 TOL = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)}
 NAMES = ("q", "k", "v", "g", "beta", "ssm_pool")
 
@@ -56,7 +59,7 @@ def _extend_case(name: str, dtype: str, zero_init: bool, correlated: bool = Fals
         x["g"] = (x["g"] * 0.01).astype(np.float32)
     o_ref, pool_ref = gdr.gated_delta_rule_extend_reference(*_args(x, case, dtype))
     o, pool = ggdr.gated_delta_rule_extend(*_args(x, case, dtype), chunk_size=chunk,
-                                           interpret=True)
+                                           interpret=INTERPRET)
     return o, pool, o_ref, pool_ref
 
 
@@ -100,7 +103,7 @@ def test_gpu_gdr_decode_matches_reference(hk, hv, dk, dv, dtype):
                                             jnp.asarray(case.write_slot)]
 
     o_ref, pool_ref = gdr.gated_delta_rule_decode_reference(*args())
-    o, pool = gated_delta_rule_decode(*args(), interpret=True)
+    o, pool = gated_delta_rule_decode(*args(), interpret=INTERPRET)
     atol, rtol = TOL[dtype]
     assert o.dtype == jnp.dtype(dtype)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),

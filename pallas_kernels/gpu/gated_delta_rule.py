@@ -35,7 +35,7 @@ _F32 = jnp.float32
 _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # IEEE fp32 dots, no TF32
 SUB = 16        # diagonal block of the blocked inverse (Triton's minimum dot size)
 BLOCK_V = 64    # value-dim tile of the state held by one program
-NUM_WARPS = 4
+NUM_WARPS = 8   # untuned guess: the [Dk, BV] state + [BT, Dk] q, k stay live across the loop
 NUM_STAGES = 1
 
 
