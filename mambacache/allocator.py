@@ -133,19 +133,23 @@ class IdAllocator:
             if n:
                 self._transition_small(ids.tolist(), expected, new, verb)
             return ids
-        try:  # viewed as uint32, a negative id raises IndexError; num_ids < id <= 2 num_ids + 1
-            status = self._status.take(ids.view(np.uint32))  # on FOREIGN; larger ones raise
+        # Index with intp (numpy converts int32 indices on every use); through uint32 a negative
+        # id becomes huge and raises IndexError, num_ids < id <= 2 num_ids + 1 lands on FOREIGN.
+        idx = ids.view(np.uint32).astype(np.intp)
+        status_arr = self._status
+        try:
+            status = status_arr[idx]
         except IndexError:
             status = None
         if status is None or status.tobytes() != _BYTE[expected] * n:
             self._validated(ids, verb)  # raises on a foreign id
             self._raise_status(ids, status, expected, verb)
-        if n > 1:  # duplicates: scatter positions, gather back; a repeat keeps its last position
-            positions = self._arange[:n]
-            self._mark.put(ids, positions)
-            if self._mark.take(ids).tobytes() != positions.tobytes():
-                raise ValueError(f"{self.name} {verb}: duplicate ids in {ids.tolist()[:16]}")
-        self._status.put(ids, new)
+        # duplicates: scatter positions, gather back; a repeated id keeps only its last position
+        positions, mark = self._arange[:n], self._mark
+        mark[idx] = positions
+        if mark[idx].tobytes() != positions.tobytes():
+            raise ValueError(f"{self.name} {verb}: duplicate ids in {ids.tolist()[:16]}")
+        status_arr[idx] = new
         return ids
 
     def _transition_small(self, ids: list, expected: int, new: int, verb: str) -> np.ndarray:
