@@ -137,11 +137,14 @@ def _sd(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _export_cuda(fn, *args):
+def _export_cuda(fn, pool_operand: int, *args):
+    """Lower for CUDA; the Triton call must alias its pool operand to output 1 (in place)."""
     exported = jax.export.export(
         jax.jit(fn), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
-    assert TRITON in exported.mlir_module()
+    module = exported.mlir_module()
+    assert TRITON in module
+    assert f"output_tuple_indices = [1], operand_index = {pool_operand}," in module
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -150,7 +153,7 @@ def test_gpu_gdr_extend_lowers_for_cuda(dtype, hk, hv, dk, dv, chunk):
     slots = (_sd((B + 1,), I32), _sd((B,), I32), _sd((B,), I32), _sd((S,), I32),
              _sd((S,), I32), _sd((S,), I32))
     f = functools.partial(ggdr.gated_delta_rule_extend, chunk_size=chunk, interpret=False)
-    _export_cuda(f, _sd((T, hk, dk), dtype), _sd((T, hk, dk), dtype), _sd((T, hv, dv), dtype),
+    _export_cuda(f, 11, _sd((T, hk, dk), dtype), _sd((T, hk, dk), dtype), _sd((T, hv, dv), dtype),
                  _sd((T, hv)), _sd((T, hv)), _sd((N, hv, dk, dv)), *slots)
 
 
@@ -158,6 +161,6 @@ def test_gpu_gdr_extend_lowers_for_cuda(dtype, hk, hv, dk, dv, chunk):
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 128, 128), (1, 3, 24, 40)])
 def test_gpu_gdr_decode_lowers_for_cuda(dtype, hk, hv, dk, dv):
     f = functools.partial(gated_delta_rule_decode, interpret=False)
-    _export_cuda(f, _sd((B, hk, dk), dtype), _sd((B, hk, dk), dtype), _sd((B, hv, dv), dtype),
+    _export_cuda(f, 7, _sd((B, hk, dk), dtype), _sd((B, hk, dk), dtype), _sd((B, hv, dv), dtype),
                  _sd((B, hv)), _sd((B, hv)), _sd((N, hv, dk, dv)), _sd((B,), I32),
                  _sd((B,), I32))
