@@ -195,9 +195,15 @@ class IdAllocator:
         self._num_tree -= len(ids)
 
     def _push(self, ids: np.ndarray) -> None:
-        n = len(ids)
-        self._stack[self._top:self._top + n] = ids
-        self._top += n
+        n, top = len(ids), self._top
+        if n <= _SMALL:
+            stack = self._stack
+            for i in ids.tolist() if type(ids) is np.ndarray else ids:
+                stack[top] = i
+                top += 1
+        else:
+            self._stack[top:top + n] = ids
+        self._top = top + n if n > _SMALL else top
 
     def check(self) -> None:
         """Audit the free list against the status array; ``AssertionError`` on any mismatch."""

@@ -41,6 +41,7 @@ from mambacache.radix_integrity import check_tree
 from mambacache.radix_node import InsertResult, MatchResult, Node, make_root
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_INT_TYPES = (int, np.integer)
 
 
 def _as_tokens(ids) -> np.ndarray:
@@ -293,11 +294,13 @@ class MambaRadixCache(TreeEviction, CacheBase):
                   whole: int) -> tuple[list[int], list[int]]:
         """Split snapshot positions into accepted and rejected (both sorted)."""
         ps = self.page_size
-        by_depth = {n.depth: n for n in path}
+        by_depth = None
         accepted, rejected = [], []
         for pos in sorted(snapshots):
-            ok = isinstance(pos, int | np.integer) and pos % ps == 0 and 0 < pos <= whole
+            ok = isinstance(pos, _INT_TYPES) and pos % ps == 0 and 0 < pos <= whole
             if ok and pos <= shared_end:
+                if by_depth is None:
+                    by_depth = {n.depth: n for n in path}
                 node = by_depth.get(pos)
                 ok = node is None or node.slot is None
             (accepted if ok else rejected).append(int(pos))
