@@ -90,6 +90,28 @@ def test_gpu_gdr_extend_matches_reference_more(name, dtype, zero_init):
     _assert_close(*_extend_case(name, dtype, zero_init), dtype)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_gdr_extend_random_layouts(seed):
+    """Random lengths (empty included), snapshots anywhere, chunk 16 or 32, random heads."""
+    rng = np.random.default_rng(100 + seed)
+    num_seqs = int(rng.integers(1, 7))
+    lens = [int(n) for n in rng.integers(0, 40, size=num_seqs)]
+    t = sum(lens) + int(rng.integers(0, 9))
+    snaps = [(int(b), int(rng.integers(0, lens[b] + 1)))
+             for b in rng.integers(0, num_seqs, size=int(rng.integers(1, 9)))]
+    case = ragged_case(rng, lens, num_tokens=max(t, 1), num_seqs=num_seqs + 1,
+                       snapshots=snaps, zero_init=bool(seed % 2))
+    hk, group = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    x = gdr_inputs(rng, case, hk, hk * group, int(rng.choice([16, 24])),
+                   int(rng.choice([8, 16, 48])))
+    o_ref, pool_ref = gdr.gated_delta_rule_extend_reference(*_args(x, case, "float32"))
+    o, pool = ggdr.gated_delta_rule_extend(*_args(x, case, "float32"),
+                                           chunk_size=int(rng.choice([16, 32])),
+                                           interpret=INTERPRET)
+    _assert_close(o, pool, o_ref, pool_ref, "float32")
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv,dtype", [(1, 2, 16, 8, "float32"),
                                                 (2, 4, 32, 80, "bfloat16"),
                                                 (1, 3, 24, 16, "float32")])
