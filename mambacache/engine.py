@@ -64,13 +64,19 @@ class Engine:
         """``model``: an already loaded ``(model_cfg, params)`` to share between engines."""
         self.cfg = cfg = cfg if cfg is not None else EngineConfig()
         self.model_cfg, params = model if model is not None else load_model(cfg)
+        self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
+        if cfg.parallel.tensor_parallel > 1:
+            from mambacache.parallel import make_mesh, validate_tensor_parallel
+
+            validate_tensor_parallel(self.model_cfg, cfg.parallel.tensor_parallel)
+            self.mesh = make_mesh(cfg.parallel.tensor_parallel)
         pools = PoolState.create(self.model_cfg, cfg.cache.num_pages, cfg.cache.page_size,
-                                 cfg.cache.num_mamba_slots, model_dtype(cfg))
+                                 cfg.cache.num_mamba_slots, model_dtype(cfg),
+                                 sharding=self._pool_sharding())
         self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
                                   page_size=cfg.cache.page_size,
                                   max_seqs=cfg.scheduler.max_running_requests)
-        self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
-        if cfg.parallel.tensor_parallel > 1:
+        if self.mesh is not None:
             from mambacache.parallel import shard_engine
 
             shard_engine(self)
@@ -78,6 +84,14 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineMetrics()
+
+    def _pool_sharding(self):
+        """Pools are created already sharded over the mesh (no whole pool on one device)."""
+        if self.mesh is None:
+            return None
+        from mambacache.parallel import pool_field_sharding
+
+        return pool_field_sharding(self.mesh)
 
     def _new_cache(self):
         c = self.cfg.cache

@@ -124,7 +124,7 @@ class ModelRunner:
         shape_dtype = [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(self.pools)]
         treedef = jax.tree_util.tree_structure(self.pools)
         self.pools = jax.tree_util.tree_unflatten(
-            treedef, [jax.device_put(jax.numpy.zeros(s, d), x.sharding)  # [parallel] keep sharding
+            treedef, [jax.numpy.zeros(s, d, device=x.sharding)  # [parallel] created sharded
                       for (s, d), x in zip(shape_dtype, jax.tree_util.tree_leaves(self.pools),
                                            strict=True)])
 

@@ -108,6 +108,12 @@ def pool_specs() -> dict[str, P]:
             "conv": P(None, None, TP), "ssm": P(None, TP, None, None)}
 
 
+def pool_field_sharding(mesh: Mesh):
+    """``field name -> NamedSharding`` for ``PoolState.create(..., sharding=...)``."""
+    specs = pool_specs()
+    return lambda field: NamedSharding(mesh, specs[field])
+
+
 def pool_shardings(pools: Any, mesh: Mesh) -> Any:
     """``PoolState`` of ``NamedSharding`` (same tree as ``pools``)."""
     specs = pool_specs()
@@ -137,13 +143,21 @@ def shard_engine(engine: Any) -> None:
     runner compile the step with those shardings (``Engine.__init__`` calls this)."""
     tp = engine.cfg.parallel.tensor_parallel
     validate_tensor_parallel(engine.model_cfg, tp)
-    mesh = make_mesh(tp)
+    mesh = engine.mesh if engine.mesh is not None else make_mesh(tp)
     runner = engine.runner
-    runner.params = place(runner.params, param_shardings(runner.params, mesh))
+    runner.params = _placed(runner.params, param_shardings(runner.params, mesh))
     pool_sh = pool_shardings(runner.pools, mesh)
-    runner.pools = place(runner.pools, pool_sh)
+    runner.pools = _placed(runner.pools, pool_sh)
     runner.use_shardings(mesh, pool_sh)
     engine.mesh = mesh
+
+
+def _placed(tree: Any, shardings: Any) -> Any:
+    """``tree`` on ``shardings``; leaves already there (created or restored sharded) stay put."""
+    leaves, sh = jax.tree.leaves(tree), jax.tree.leaves(shardings)
+    if all(isinstance(x, jax.Array) and x.sharding == s for x, s in zip(leaves, sh, strict=True)):
+        return tree
+    return place(tree, shardings)
 
 
 def per_device_bytes(tree: Any) -> dict[str, int]:

@@ -11,6 +11,7 @@ Reserved ids (host allocators never hand them out):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,23 +52,32 @@ class PoolState:
 
     @classmethod
     def create(cls, model_cfg: Any, num_pages: int, page_size: int, num_slots: int,
-               dtype: Any = jnp.float32) -> PoolState:
+               dtype: Any = jnp.float32,
+               sharding: Callable[[str], Any] | None = None) -> PoolState:
         """Zero pools for ``model_cfg`` with ``num_pages`` usable pages and ``num_slots`` slots.
 
         ``model_cfg`` needs ``num_full_layers``, ``num_linear_layers``, ``num_key_value_heads``,
         ``head_dim``, ``linear_conv_kernel_dim``, ``linear_conv_dim``, ``linear_num_value_heads``,
         ``linear_key_head_dim`` and ``linear_value_head_dim`` (see ``models.config.ModelConfig``).
+        ``sharding``: field name -> ``jax.sharding.Sharding`` (``parallel.pool_field_sharding``);
+        each device then allocates only its shard (no whole pool on one device). ``None``: the
+        default device.
         """
         c = model_cfg
         kv_shape = (num_pages + 1, page_size, c.num_key_value_heads, c.head_dim)
         conv_shape = (num_slots + 1, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
         ssm_shape = (num_slots + 1, c.linear_num_value_heads, c.linear_key_head_dim,
                      c.linear_value_head_dim)
+
+        def zeros(field: str, shape: tuple[int, ...], dt: Any, count: int) -> tuple:
+            device = sharding(field) if sharding is not None else None
+            return tuple(jnp.zeros(shape, dt, device=device) for _ in range(count))
+
         return cls(
-            k_pages=tuple(jnp.zeros(kv_shape, dtype) for _ in range(c.num_full_layers)),
-            v_pages=tuple(jnp.zeros(kv_shape, dtype) for _ in range(c.num_full_layers)),
-            conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(c.num_linear_layers)),
-            ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(c.num_linear_layers)),
+            k_pages=zeros("k_pages", kv_shape, dtype, c.num_full_layers),
+            v_pages=zeros("v_pages", kv_shape, dtype, c.num_full_layers),
+            conv=zeros("conv", conv_shape, dtype, c.num_linear_layers),
+            ssm=zeros("ssm", ssm_shape, jnp.float32, c.num_linear_layers),
         )
 
     def nbytes(self) -> dict[str, int]:
