@@ -185,14 +185,18 @@ class IdAllocator:
     def release_trusted(self, ids: np.ndarray) -> None:
         """``release`` without checks, for ids the tree itself hands back (eviction); the
         integrity check audits them."""
-        if len(ids) <= _SMALL:
-            status = self._status_bytes
+        n = len(ids)
+        if n <= _SMALL:
+            status, stack, top = self._status_bytes, self._stack, self._top
             for i in ids.tolist():
                 status[i] = FREE
+                stack[top] = i
+                top += 1
+            self._top = top
         else:
             self._status.put(ids, FREE)
-        self._push(ids)
-        self._num_tree -= len(ids)
+            self._push(ids)
+        self._num_tree -= n
 
     def _push(self, ids: np.ndarray) -> None:
         n, top = len(ids), self._top

@@ -208,10 +208,10 @@ class TreeEviction:
 
     def _remove_leaf(self, node: Node) -> int:
         """Remove an unlocked leaf whole, then childless tombstones upward; returns pages freed."""
-        ps, freed = self.page_size, 0
+        freed = 0
         while True:
             parent = node.parent
-            del parent.children[node.key[:ps].tobytes()]
+            del parent.children[node.first_page]
             self.pages.release_trusted(node.pages)
             freed += len(node.pages)
             del self.lru_all[node]

@@ -150,10 +150,15 @@ class MambaRadixCache(TreeEviction, CacheBase):
         child.key = child.key[offset:]
         child.pages = child.pages[offset // ps:]
         child.parent = upper
-        parent.children[upper.key[:ps].tobytes()] = upper
-        upper.children[child.key[:ps].tobytes()] = child
+        self._link(parent, upper)
+        self._link(upper, child)
         self.lru_all[upper] = None
         return upper
+
+    def _link(self, parent: Node, child: Node) -> None:
+        """Make ``child`` the child of ``parent`` keyed by its first page (``first_page``)."""
+        child.first_page = key = child.key[:self.page_size].tobytes()
+        parent.children[key] = child
 
     def _touch(self, node: Node) -> None:
         self.lru_all.move_to_end(node)
@@ -284,7 +289,7 @@ class MambaRadixCache(TreeEviction, CacheBase):
         for end in ends:
             lo, hi = pos - begin, end - begin
             node = Node(key[lo:hi], pages[lo // ps:hi // ps], parent, end, extra_key)
-            parent.children[node.key[:ps].tobytes()] = node
+            self._link(parent, node)
             self.lru_all[node] = None
             out.append(node)
             parent, pos = node, end

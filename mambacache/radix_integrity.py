@@ -37,7 +37,9 @@ def _check_node(node: Any, parent: Any, ps: int) -> None:
         _fail(f"{node!r}: {len(node.pages)} pages for {klen} tokens (page_size {ps})")
     if node.depth != parent.depth + klen:
         _fail(f"{node!r}: depth {node.depth} != parent depth {parent.depth} + {klen}")
-    if parent.children.get(node.key[:ps].tobytes()) is not node:
+    if node.first_page != node.key[:ps].tobytes():
+        _fail(f"{node!r}: first_page is not the bytes of its key's first page")
+    if parent.children.get(node.first_page) is not node:
         _fail(f"{node!r}: not keyed by its first page in its parent")
     if not node.children and node.slot is None:
         _fail(f"{node!r}: a leaf without a state (tombstone leaf)")

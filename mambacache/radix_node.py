@@ -24,7 +24,7 @@ class Node:
     """Tree node; see the module docstring for the fields' meaning."""
 
     __slots__ = ("key", "pages", "slot", "parent", "children", "depth", "full_lock_ref",
-                 "mamba_lock_ref", "alive", "extra_key", "__weakref__")
+                 "mamba_lock_ref", "alive", "extra_key", "first_page", "__weakref__")
 
     def __init__(self, key: np.ndarray, pages: np.ndarray, parent: Node | None, depth: int,
                  extra_key: Any = None):
@@ -38,6 +38,8 @@ class Node:
         self.mamba_lock_ref = 0
         self.alive = True
         self.extra_key = extra_key
+        # bytes of key[:page_size]: this node's key in parent.children (set when linked)
+        self.first_page = b""
 
     @property
     def is_root(self) -> bool:

@@ -86,7 +86,7 @@ def load_trace(path: str | Path) -> list[dict[str, list[int]]]:
 
 
 # ------------------------------------------------------------------------------- replay
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Running:
     prompt_len: int
     tokens: np.ndarray  # int32: prompt + output[:-1], the tokens the model processes
