@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 
 
-def interpret_default() -> bool:
-    """Run Pallas kernels interpreted? ``PALLAS_INTERPRET=0/1`` decides; else on non-TPU."""
+def interpret_default(family: str = "tpu") -> bool:
+    """Run the ``family`` ("tpu": Mosaic, "gpu": Triton) kernels interpreted?
+    ``PALLAS_INTERPRET=0/1`` decides; else unless the backend is the family's own."""
     env = os.environ.get("PALLAS_INTERPRET")
     if env in ("0", "1"):
         return env == "1"
-    return jax.default_backend() != "tpu"
+    return jax.default_backend() != family
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -5,8 +5,9 @@
 Prints, per op and impl, the median time, the achieved bytes/s and FLOP/s (algorithmic counts:
 the inputs/outputs and states each op must move, the token-recurrence FLOPs) and, where the
 device is known, the fraction of its roofline (H200: 4.8 TB/s HBM, ~990 bf16 dense TFLOP/s).
-On a non-TPU backend the kernels run interpreted (see ``ops``), so their times there say
-nothing about the kernel's speed (with ``--large`` they are skipped); the reference times are
+The kernels are the backend's family (``ops.kernel_family``: Triton on GPU, Mosaic on TPU;
+``PALLAS_FAMILY`` overrides). On CPU they run interpreted, so their times there say nothing
+about the kernel's speed (with ``--large`` they are skipped); the reference times are
 XLA-compiled.
 """
 
@@ -26,7 +27,7 @@ from pallas_kernels import causal_conv1d as conv
 from pallas_kernels import gated_delta_rule as gdr
 from pallas_kernels import paged_attention as attn
 from pallas_kernels._common import interpret_default
-from pallas_kernels.gated_delta_rule_decode import gated_delta_rule_decode
+from pallas_kernels.ops import FAMILIES, kernel_family
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
 ROOFLINES = {  # device_kind substring -> (bytes/s, bf16 FLOP/s)
@@ -98,21 +99,20 @@ def _attn_case(size):
 
 
 def run(size: str, iters: int) -> list[dict]:
-    interp = interpret_default()
+    family = kernel_family()
+    kern = FAMILIES[family]
+    interp = interpret_default(family)
     gdr_ext, gdr_dec = _gdr_cases(size)
     ops = {
         "gated_delta_rule_extend": (gdr_ext, gdr.gated_delta_rule_extend_reference,
-                                    functools.partial(gdr.gated_delta_rule_extend,
-                                                      interpret=interp)),
+                                    functools.partial(kern.gdr_extend, interpret=interp)),
         "gated_delta_rule_decode": (gdr_dec, gdr.gated_delta_rule_decode_reference,
-                                    functools.partial(gated_delta_rule_decode,
-                                                      interpret=interp)),
+                                    functools.partial(kern.gdr_decode, interpret=interp)),
         "causal_conv1d_extend": (_conv_case(size), conv.causal_conv1d_extend_reference,
-                                 functools.partial(conv.causal_conv1d_extend,
-                                                   interpret=interp)),
+                                 functools.partial(kern.conv_extend, interpret=interp)),
         "paged_attention": (_attn_case(size), functools.partial(
             attn.paged_attention_reference, scale=0.0625), functools.partial(
-            attn.paged_attention, scale=0.0625, interpret=interp)),
+            kern.paged_attention, scale=0.0625, interpret=interp)),
     }
     rows = []
     for name, (case, ref_fn, kern_fn) in ops.items():
@@ -122,7 +122,8 @@ def run(size: str, iters: int) -> list[dict]:
             impls = impls[:1]
         for impl, fn in impls:
             seconds = _time(jax.jit(fn), args, iters)  # outer jit: the pools are not donated
-            rows.append(dict(op=name, impl=impl, interpret=interp and impl == "pallas",
+            rows.append(dict(op=name, impl=impl if impl == "reference" else f"pallas-{family}",
+                             interpret=interp and impl == "pallas",
                              ms=seconds * 1e3, bytes_per_s=case["bytes"] / seconds,
                              flops_per_s=case["flops"] / seconds))
     return rows
@@ -138,13 +139,13 @@ def main() -> None:
     rows = run("large" if opts.large else "small", opts.iters)
     print(f"backend {jax.default_backend()} ({kind}); roofline "
           + (f"{roof[0] / 1e12:.2f} TB/s, {roof[1] / 1e12:.0f} TFLOP/s" if roof else "unknown"))
-    print(f"{'op':26s} {'impl':16s} {'ms':>9s} {'GB/s':>9s} {'GFLOP/s':>10s} "
+    print(f"{'op':26s} {'impl':22s} {'ms':>9s} {'GB/s':>9s} {'GFLOP/s':>10s} "
           f"{'%HBM':>6s} {'%FLOP':>6s}")
     for r in rows:
         frac = (f"{100 * r['bytes_per_s'] / roof[0]:6.1f} {100 * r['flops_per_s'] / roof[1]:6.1f}"
                 if roof else f"{'-':>6s} {'-':>6s}")
         label = r["impl"] + (" (interp)" if r["interpret"] else "")
-        print(f"{r['op']:26s} {label:16s} {r['ms']:9.3f} {r['bytes_per_s'] / 1e9:9.2f} "
+        print(f"{r['op']:26s} {label:22s} {r['ms']:9.3f} {r['bytes_per_s'] / 1e9:9.2f} "
               f"{r['flops_per_s'] / 1e9:10.2f} {frac}")
     if opts.out:
         with open(opts.out, "w") as f:

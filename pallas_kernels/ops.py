@@ -1,17 +1,22 @@
 """The ops the model calls: each dispatches on ``impl`` in {"pallas", "reference"}.
 
-"pallas" runs the Pallas kernel: compiled on TPU, ``interpret=True`` on a CPU backend (or when
-the environment sets ``PALLAS_INTERPRET=1``). The kernels are Mosaic (TPU) kernels; they have
-no GPU (Triton / Mosaic GPU) lowering, so on a GPU backend "pallas" runs the plain-jnp
-reference (XLA-compiled) unless ``PALLAS_INTERPRET=1`` forces the interpreted kernel.
-"reference" runs the plain-jnp form beside each kernel. Shapes, padding conventions and the math
-are in ``docs/kernels.md`` and in each kernel module. All pools are returned updated (donate
-them in the caller's jit). Ops listed in ``PALLAS_FALLBACK`` have no kernel yet.
+"pallas" runs a Pallas kernel of one of two families with the same signatures:
+
+* ``tpu``: Mosaic kernels (``pallas_kernels/*.py``: scalar prefetch, DMAs);
+* ``gpu``: Pallas-Triton kernels (``pallas_kernels/gpu/*.py``).
+
+``kernel_family()`` picks ``gpu`` on a GPU backend and ``tpu`` otherwise; ``PALLAS_FAMILY=gpu|tpu``
+overrides it (e.g. to run the GPU kernels interpreted on CPU). A family runs compiled on its own
+backend and interpreted elsewhere; ``PALLAS_INTERPRET=0|1`` overrides that
+(``_common.interpret_default``). "reference" runs the plain-jnp form beside each kernel. Shapes,
+padding conventions and the math are in ``docs/kernels.md`` and in each kernel module. All pools
+are returned updated (donate them in the caller's jit).
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +26,23 @@ from pallas_kernels import gated_delta_rule as _gdr
 from pallas_kernels import paged_attention as _attn
 from pallas_kernels._common import interpret_default
 from pallas_kernels.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
+from pallas_kernels.gpu import causal_conv1d as _gpu_conv
+from pallas_kernels.gpu import gated_delta_rule as _gpu_gdr
+from pallas_kernels.gpu import paged_attention as _gpu_attn
+from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode as _gpu_gdr_decode
 
 IMPLS = ("pallas", "reference")
-PALLAS_FALLBACK: frozenset[str] = frozenset()
+FAMILIES = {
+    "tpu": SimpleNamespace(gdr_extend=_gdr.gated_delta_rule_extend, gdr_decode=_gdr_decode,
+                           conv_extend=_conv.causal_conv1d_extend,
+                           conv_decode=_conv.causal_conv1d_decode,
+                           paged_attention=_attn.paged_attention),
+    "gpu": SimpleNamespace(gdr_extend=_gpu_gdr.gated_delta_rule_extend,
+                           gdr_decode=_gpu_gdr_decode,
+                           conv_extend=_gpu_conv.causal_conv1d_extend,
+                           conv_decode=_gpu_conv.causal_conv1d_decode,
+                           paged_attention=_gpu_attn.paged_attention),
+}
 
 
 def resolve_impl(kernels: str) -> str:
@@ -35,62 +54,64 @@ def resolve_impl(kernels: str) -> str:
     return kernels
 
 
-def _interpret() -> bool:
-    return interpret_default()
+def kernel_family() -> str:
+    """"gpu" on a GPU backend, else "tpu"; ``PALLAS_FAMILY=gpu|tpu`` overrides."""
+    env = os.environ.get("PALLAS_FAMILY")
+    if env is not None:
+        if env not in FAMILIES:
+            raise ValueError(f"PALLAS_FAMILY must be one of {sorted(FAMILIES)}, got {env!r}")
+        return env
+    return "gpu" if jax.default_backend() == "gpu" else "tpu"
+
+
+def _kernel(impl: str, name: str):
+    """The family's kernel ``name`` with ``interpret`` bound, or None for "reference"."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "reference":
+        return None
+    family = kernel_family()
+    fn = getattr(FAMILIES[family], name)
+    interpret = interpret_default(family)
+    return lambda *args, **kw: fn(*args, interpret=interpret, **kw)
 
 
 def _arrays(args: tuple) -> tuple:
     return jax.tree.map(jnp.asarray, args)
 
 
-def _use_pallas(impl: str, name: str) -> bool:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if jax.default_backend() == "gpu" and os.environ.get("PALLAS_INTERPRET") != "1":
-        return False  # Mosaic-TPU kernels: no GPU lowering (see the module docstring)
-    return impl == "pallas" and name not in PALLAS_FALLBACK
-
-
 def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
                             snap_seq, snap_offset, snap_slot, *, impl: str):
     """q, k ``[T, Hk, Dk]`` raw; v ``[T, Hv, Dv]``; g, beta ``[T, Hv]`` f32; ssm_pool ``[N, Hv,
     Dk, Dv]`` f32. Returns ``(o [T, Hv, Dv] in v.dtype, ssm_pool)``."""
-    args = (q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-            snap_offset, snap_slot)
-    args = _arrays(args)
-    if _use_pallas(impl, "gated_delta_rule_extend"):
-        return _gdr.gated_delta_rule_extend(*args, interpret=_interpret())
-    return _gdr.gated_delta_rule_extend_reference(*args)
+    args = _arrays((q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+                    snap_offset, snap_slot))
+    kernel = _kernel(impl, "gdr_extend")
+    return kernel(*args) if kernel else _gdr.gated_delta_rule_extend_reference(*args)
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, impl: str):
     """q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``. Returns ``(o, ssm_pool)``."""
-    args = (q, k, v, g, beta, ssm_pool, read_slot, write_slot)
-    args = _arrays(args)
-    if _use_pallas(impl, "gated_delta_rule_decode"):
-        return _gdr_decode(*args, interpret=_interpret())
-    return _gdr.gated_delta_rule_decode_reference(*args)
+    args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
+    kernel = _kernel(impl, "gdr_decode")
+    return kernel(*args) if kernel else _gdr.gated_delta_rule_decode_reference(*args)
 
 
 def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot,
                          snap_seq, snap_offset, snap_slot, *, impl: str):
     """x ``[T, C]``; weight ``[K, C]``; bias ``[C]`` or None; conv_pool ``[N, K-1, C]``.
     Returns ``(y [T, C] in x.dtype, conv_pool)``."""
-    args = (x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-            snap_offset, snap_slot)
-    args = _arrays(args)
-    if _use_pallas(impl, "causal_conv1d_extend"):
-        return _conv.causal_conv1d_extend(*args, interpret=_interpret())
-    return _conv.causal_conv1d_extend_reference(*args)
+    args = _arrays((x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+                    snap_offset, snap_slot))
+    kernel = _kernel(impl, "conv_extend")
+    return kernel(*args) if kernel else _conv.causal_conv1d_extend_reference(*args)
 
 
 def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *, impl: str):
     """x ``[B, C]``, one token per sequence. Returns ``(y [B, C], conv_pool)``."""
-    args = (x, weight, bias, conv_pool, read_slot, write_slot)
-    args = _arrays(args)
-    if _use_pallas(impl, "causal_conv1d_decode"):
-        return _conv.causal_conv1d_decode(*args, interpret=_interpret())
-    return _conv.causal_conv1d_decode_reference(*args)
+    args = _arrays((x, weight, bias, conv_pool, read_slot, write_slot))
+    kernel = _kernel(impl, "conv_decode")
+    return kernel(*args) if kernel else _conv.causal_conv1d_decode_reference(*args)
 
 
 def write_kv(k_pages, v_pages, k, v, out_cache_loc):
@@ -102,8 +123,8 @@ def write_kv(k_pages, v_pages, k, v, out_cache_loc):
 def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
                     impl: str):
     """q ``[T, Hq, D]``; pages hold this step's K/V already. Returns ``[T, Hq, D]`` in q.dtype."""
-    args = (q, k_pages, v_pages, cu_seqlens, seq_lens, page_table)
-    args = _arrays(args)
-    if _use_pallas(impl, "paged_attention"):
-        return _attn.paged_attention(*args, scale=scale, interpret=_interpret())
+    args = _arrays((q, k_pages, v_pages, cu_seqlens, seq_lens, page_table))
+    kernel = _kernel(impl, "paged_attention")
+    if kernel:
+        return kernel(*args, scale=scale)
     return _attn.paged_attention_reference(*args, scale=scale)

@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
-# Kernel checks on an accelerator machine (< 5 minutes): the kernel tests compiled (not
-# interpreted), the TPU-lowering tests, and the kernel-vs-reference benchmark.
+# Kernel checks on an accelerator machine (< 5 minutes): the backend's kernel family compiled
+# (not interpreted) against the references, the model with kernels="pallas" against
+# "reference", the lowering tests, and the kernel-vs-reference benchmark at production sizes.
 #
-# The Pallas kernels are Mosaic (TPU) kernels: they lower for TPU, not for GPU (Triton / Mosaic
-# GPU). So on a GPU the "compiled" step is expected to fail at lowering and is reported, not
-# fatal; the kernels are then checked interpreted on the GPU, and the benchmark times the
-# XLA-compiled references against the interpreted kernels. On a TPU every step is compiled.
+#   GPU: the Pallas-Triton kernels (pallas_kernels/gpu/, tests/test_kernels_gpu_*.py).
+#   TPU: the Mosaic kernels (pallas_kernels/*.py, tests/test_kernels_{gdr,conv,attention}.py).
+# Usage: scripts/gpu_check.sh  (PYTHON=... to pick the interpreter). Exit status 1 if any fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-BACKEND=$($PY -c "import jax; print(jax.default_backend())")
+BACKEND=$($PY -c "import jax; print(jax.default_backend(), jax.devices()[0].device_kind)")
 echo "backend: $BACKEND"
-TESTS="tests/test_kernels_gdr.py tests/test_kernels_conv.py tests/test_kernels_attention.py"
+case "$BACKEND" in
+  gpu*) FAMILY=gpu; TESTS="tests/test_kernels_gpu_gdr.py tests/test_kernels_gpu_conv.py tests/test_kernels_gpu_attention.py" ;;
+  tpu*) FAMILY=tpu; TESTS="tests/test_kernels_gdr.py tests/test_kernels_conv.py tests/test_kernels_attention.py" ;;
+  *) echo "no accelerator: run the normal test suite instead (kernels interpreted)"; exit 1 ;;
+esac
 status=0
-
 echo "== kernel tests, compiled (PALLAS_INTERPRET=0)"
-if ! PALLAS_INTERPRET=0 timeout 150 $PY -m pytest -q -x $TESTS; then
-  if [ "$BACKEND" = "tpu" ]; then status=1; else
-    echo "EXPECTED on $BACKEND: Mosaic-TPU kernels have no $BACKEND lowering"; fi
-fi
-if [ "$BACKEND" != "tpu" ]; then
-  echo "== kernel tests, interpreted on $BACKEND (PALLAS_INTERPRET=1)"
-  PALLAS_INTERPRET=1 timeout 150 $PY -m pytest -q $TESTS || status=1
-fi
-echo "== TPU lowering"
-timeout 60 $PY -m pytest -q tests/test_kernels_lowering.py || status=1
-echo "== benchmark"
+PALLAS_INTERPRET=0 timeout 150 $PY -m pytest -q -p no:cacheprovider $TESTS || status=1
+echo "== model: kernels=pallas (compiled) vs reference"
+PALLAS_INTERPRET=0 timeout 90 $PY -m pytest -q -p no:cacheprovider \
+  tests/test_model_forward.py -k "pallas_kernels_match_reference and $FAMILY" || status=1
+echo "== lowering (TPU Mosaic and GPU Triton, from this host)"
+timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_lowering.py \
+  tests/test_kernels_gpu_gdr.py tests/test_kernels_gpu_conv.py tests/test_kernels_gpu_attention.py \
+  -k "lower" || status=1
+echo "== benchmark (kernel vs XLA-compiled reference, production sizes)"
 timeout 120 $PY -m pallas_kernels.bench --large --iters 5 || status=1
 exit $status

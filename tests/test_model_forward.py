@@ -14,14 +14,19 @@ import pytest
 from mambacache.batch import SeqSpec, build_forward_batch
 from mambacache.pools import PoolState
 from models import PRESETS, ModelConfig, forward, get_preset, init_params, param_shapes
+from pallas_kernels import ops
 
 PAGE_SIZE = 4
 T_BUCKET, B_BUCKET = 32, 3
 CFG = PRESETS["tiny_qwen3_next"]
 
 
-@functools.cache
 def step(kernels: str, decode: bool):
+    return _step(kernels, decode, ops.kernel_family())  # PALLAS_FAMILY is read when tracing
+
+
+@functools.cache
+def _step(kernels: str, decode: bool, family: str):
     return jax.jit(functools.partial(forward, cfg=CFG, kernels=kernels, decode=decode),
                    donate_argnums=(1,))
 
@@ -139,8 +144,11 @@ def test_decode_equals_one_token_extend():
     np.testing.assert_allclose(by_decode, by_extend, atol=1e-5, rtol=0)
 
 
-def test_pallas_kernels_match_reference():
-    """kernels="pallas" (interpret mode on CPU) equals "reference" on prefill and decode."""
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+def test_pallas_kernels_match_reference(family, monkeypatch):
+    """kernels="pallas" (interpret mode on CPU) equals "reference" on prefill and decode, with
+    the Mosaic (tpu) and the Triton (gpu) kernel families."""
+    monkeypatch.setenv("PALLAS_FAMILY", family)
     p, q = tokens(5, 10), tokens(6, 4)
     prefill = [SeqSpec(p, 0, [1, 2, 3], 0, 1, snapshots=[(4, 3)], logits="all"),
                SeqSpec(q, 0, [4, 5], 0, 2, logits="all")]
