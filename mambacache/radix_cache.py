@@ -109,7 +109,7 @@ class MambaRadixCache(TreeEviction, CacheBase):
             klen = len(child.key)
             n = min(klen, limit - pos)
             key = child.key.tobytes() if n == klen else child.key[:n].tobytes()
-            if key == raw[4 * pos:4 * (pos + n)]:
+            if raw.startswith(key, 4 * pos):
                 same = n
             else:
                 diff = child.key[:n] != tokens[pos:pos + n]
@@ -321,21 +321,24 @@ class MambaRadixCache(TreeEviction, CacheBase):
         n_shared = shared_end // ps
         nodes = path + [partial] if partial is not None else path
         to_free, offset = [], 0
+        raw = pages.tobytes()
         for node in nodes:  # pages equal to the tree's are the tree's own (a cache hit)
             tree = node.pages if node is not partial else node.pages[:partial_len // ps]
-            mine = pages[offset:offset + len(tree)]
-            if mine.tobytes() != tree.tobytes():
+            if not raw.startswith(tree.tobytes(), 4 * offset):
+                mine = pages[offset:offset + len(tree)]
                 to_free.append(mine[mine != tree])
             offset += len(tree)
-        to_free.append(pages[max(shared_end, kept) // ps:])
-        to_free = np.concatenate(to_free) if len(to_free) > 1 else to_free[0]
-        if len(to_free):
-            self.pages.free(to_free)
+        surplus = max(shared_end, kept) // ps
+        if surplus < len(pages):
+            to_free.append(pages[surplus:])
+        num_freed = sum(len(x) for x in to_free)
+        if num_freed:
+            self.pages.free(np.concatenate(to_free) if len(to_free) > 1 else to_free[0])
         if kept <= shared_end:
-            return _EMPTY, len(to_free)
+            return _EMPTY, num_freed
         new = pages[n_shared:kept // ps].copy()
         self.pages.adopt(new)
-        return new, len(to_free)
+        return new, num_freed
 
 
 def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page_size: int = 1,

@@ -70,7 +70,8 @@ def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | No
         order.sort(key=lambda p: (p not in preferred, -p))
     got = cache.alloc_slots(len(order))
     if got is not None:
-        return dict(zip(order, got.tolist(), strict=True))
+        return dict(zip(order, got.tolist(), strict=True)) if len(order) > 1 else {
+            order[0]: int(got[0])}
     out: dict[int, int] = {}
     for i, pos in enumerate(order):
         got = cache.alloc_slots(1)
