@@ -24,6 +24,7 @@ FREE, HELD, TREE, RESERVED, FOREIGN = 0, 1, 2, 3, 4
 _STATE_NAMES = {FREE: "free", HELD: "held by a request", TREE: "owned by the tree",
                 RESERVED: "reserved", FOREIGN: "foreign"}
 _BYTE = {k: bytes([k]) for k in _STATE_NAMES}
+_INT32 = np.dtype(np.int32)  # compared by identity (cheaper than dtype ==)
 _SMALL = 8  # calls with at most this many ids take a pure-Python path (numpy costs ~1 us a call)
 
 
@@ -126,7 +127,7 @@ class IdAllocator:
     def _transition(self, ids, expected: int, new: int, verb: str) -> np.ndarray:
         if type(ids) is list and len(ids) <= _SMALL:
             return self._transition_small(ids, expected, new, verb)
-        if type(ids) is not np.ndarray or ids.dtype != np.int32 or ids.ndim != 1:
+        if type(ids) is not np.ndarray or ids.dtype is not _INT32 or ids.ndim != 1:
             ids = self._validated(ids, verb)
         n = ids.size
         if n <= _SMALL:

@@ -42,10 +42,11 @@ from mambacache.radix_node import InsertResult, MatchResult, Node, make_root
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _INT_TYPES = (int, np.integer)
+_INT32 = np.dtype(np.int32)  # compared by identity (cheaper than dtype ==)
 
 
 def _as_tokens(ids) -> np.ndarray:
-    if type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1:
+    if type(ids) is np.ndarray and ids.dtype is _INT32 and ids.ndim == 1:
         return ids
     arr = np.asarray(ids, dtype=np.int32)
     if arr.ndim != 1:
