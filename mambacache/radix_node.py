@@ -18,6 +18,18 @@ from typing import Any
 import numpy as np
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_INT32 = np.dtype(np.int32)  # compared by identity (cheaper than dtype ==)
+
+
+def as_tokens(ids) -> np.ndarray:
+    """``ids`` as a 1-D ``int32`` array (no copy when it already is one); ``ValueError`` if not
+    1-D."""
+    if type(ids) is np.ndarray and ids.dtype is _INT32 and ids.ndim == 1:
+        return ids
+    arr = np.asarray(ids, dtype=np.int32)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    return arr
 
 
 class Node:
