@@ -71,6 +71,18 @@ def check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def max_chunks(num_tokens: int, chunk_size: int, num_seqs: int) -> int:
+    """Static bound on the chunks of ``num_tokens`` packed tokens of ``num_seqs`` sequences cut
+    into ``chunk_size`` pieces that never span two sequences (``NC`` in docs/kernels.md)."""
+    return min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    """``ValueError`` unless ``chunk_size`` is a positive multiple of 8 (sublane tiles)."""
+    check(chunk_size % 8 == 0 and chunk_size > 0,
+          f"chunk_size {chunk_size} must be a positive multiple of 8")
+
+
 def chunk_layout(cu_seqlens, num_tokens: int, chunk_size: int, num_chunks: int):
     """Cut every sequence into chunks of ``chunk_size`` that never span two sequences.
 

@@ -13,10 +13,12 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import (
     check,
+    check_chunk_size,
     chunk_layout,
     chunk_targets,
     copy_empty_targets,
     drop_slot,
+    max_chunks,
     state_targets,
     token_seq_ids,
 )
@@ -100,12 +102,11 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
                          interpret: bool = False):
     """Pallas chunked prefill; same contract as the reference. Returns ``(y, conv_pool)``."""
     _check_conv(x, weight, bias, conv_pool)
-    check(chunk_size % 8 == 0 and chunk_size > 0,
-          f"chunk_size {chunk_size} must be a positive multiple of 8")
+    check_chunk_size(chunk_size)
     num_tokens, channels = x.shape
     width = weight.shape[0] - 1
     num_seqs = read_slot.shape[0]
-    num_chunks = min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
+    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
     _, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     c = jnp.arange(num_chunks)

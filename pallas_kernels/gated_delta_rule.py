@@ -14,11 +14,13 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import (
     check,
+    check_chunk_size,
     chunk_layout,
     chunk_targets,
     copy_empty_targets,
     drop_slot,
     l2norm,
+    max_chunks,
     state_targets,
     token_seq_ids,
 )
@@ -108,8 +110,7 @@ def _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size):
           f"g {g.shape} / beta {beta.shape} must be {(t, hv)}")
     check(ssm_pool.shape[1:] == (hv, dk, dv) and ssm_pool.dtype == jnp.float32,
           f"ssm_pool {ssm_pool.shape} {ssm_pool.dtype} must be [N, {hv}, {dk}, {dv}] float32")
-    check(chunk_size % 8 == 0 and chunk_size > 0,
-          f"chunk_size {chunk_size} must be a positive multiple of 8")
+    check_chunk_size(chunk_size)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
@@ -121,7 +122,7 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size)
     num_tokens, num_heads, _ = v.shape
     num_seqs = read_slot.shape[0]
-    num_chunks = min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
+    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
     gather, cseq, first, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size,
                                                    num_chunks)
     t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,

@@ -20,6 +20,20 @@ from pallas_kernels.gated_delta_rule import gated_delta_rule_decode_reference  #
 _F32 = jnp.float32
 
 
+def check_gdr_decode(q, k, v, g, beta, ssm_pool) -> tuple[int, int]:
+    """``ValueError`` unless the decode inputs agree (shapes in ``gated_delta_rule_decode``);
+    returns ``(Hk, Dk)``."""
+    num_seqs, num_heads, dv = v.shape
+    hk, dk = q.shape[1:]
+    check(k.shape == q.shape and q.shape[0] == num_seqs and num_heads % hk == 0,
+          f"q {q.shape} / k {k.shape} must be [{num_seqs}, Hk, Dk] with {num_heads} % Hk == 0")
+    check(g.shape == (num_seqs, num_heads) and beta.shape == (num_seqs, num_heads),
+          f"g {g.shape} / beta {beta.shape} must be {(num_seqs, num_heads)}")
+    check(ssm_pool.shape[1:] == (num_heads, dk, dv) and ssm_pool.dtype == jnp.float32,
+          f"ssm_pool {ssm_pool.shape} {ssm_pool.dtype} must be [N, {num_heads}, {dk}, {dv}] f32")
+    return hk, dk
+
+
 def _gdr_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
                        q_ref,      # [Hv, Dk, 1] raw q (GQA-expanded)
                        k_ref,      # [Hv, Dk, 1] raw k
@@ -57,13 +71,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
     f32. Returns ``(o [B, Hv, Dv] in v.dtype, ssm_pool)``.
     """
     num_seqs, num_heads, dv = v.shape
-    hk, dk = q.shape[1:]
-    check(k.shape == q.shape and q.shape[0] == num_seqs and num_heads % hk == 0,
-          f"q {q.shape} / k {k.shape} must be [{num_seqs}, Hk, Dk] with {num_heads} % Hk == 0")
-    check(g.shape == (num_seqs, num_heads) and beta.shape == (num_seqs, num_heads),
-          f"g {g.shape} / beta {beta.shape} must be {(num_seqs, num_heads)}")
-    check(ssm_pool.shape[1:] == (num_heads, dk, dv) and ssm_pool.dtype == jnp.float32,
-          f"ssm_pool {ssm_pool.shape} {ssm_pool.dtype} must be [N, {num_heads}, {dk}, {dv}] f32")
+    hk, dk = check_gdr_decode(q, k, v, g, beta, ssm_pool)
     group = num_heads // hk
     qe = jnp.repeat(q, group, axis=1)[..., None]
     ke = jnp.repeat(k, group, axis=1)[..., None]

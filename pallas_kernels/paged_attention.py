@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check, chunk_layout, token_seq_ids
+from pallas_kernels._common import check, chunk_layout, max_chunks, token_seq_ids
 from pallas_kernels.attention_kernel import attention_call
 
 
@@ -77,7 +77,7 @@ def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, sc
     check(block_q % 8 == 0 and block_q > 0, f"block_q {block_q} must be a multiple of 8")
     ppb = pages_per_block or max(1, min(pages_per_seq, 16, -(-128 // page_size)))
     group = num_q_heads // num_kv_heads
-    num_chunks = min(-(-num_tokens // block_q) + num_seqs, max(num_tokens, 1))
+    num_chunks = max_chunks(num_tokens, block_q, num_seqs)
     gather, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, block_q, num_chunks)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     inner = jnp.arange(num_chunks) - chunk_off[cseq]

@@ -75,3 +75,22 @@ def slot_args(case: RaggedCase) -> tuple[np.ndarray, ...]:
     """``(cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot)``."""
     return (case.cu_seqlens, case.read_slot, case.write_slot, case.snap_seq, case.snap_offset,
             case.snap_slot)
+
+
+def paged_attention_case(rng: np.random.Generator, ext: Sequence[int], prefix: Sequence[int],
+                         page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                         pad_tokens: int = 2) -> tuple[np.ndarray, ...]:
+    """Random paged-attention inputs: ``(q [T+pad, Hq, D], k_pages, v_pages [N, page_size, Hkv,
+    D] f64, cu_seqlens [B+1], seq_lens [B], page_table [B, P] int32)``. Sequence b extends
+    ``ext[b]`` tokens after ``prefix[b]`` cached ones; each gets distinct random pages (page 0,
+    the dump page, is never used)."""
+    seq_lens = np.array(ext, np.int32) + np.array(prefix, np.int32)
+    pages_per = int(max(1, -(-seq_lens.max() // page_size))) + 1
+    num_pages = len(ext) * pages_per + 1
+    table = rng.permutation(np.arange(1, num_pages))[:len(ext) * pages_per]
+    table = table.reshape(len(ext), pages_per).astype(np.int32)
+    kp = rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim))
+    vp = rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim))
+    cu = np.concatenate([[0], np.cumsum(ext)]).astype(np.int32)
+    q = rng.normal(size=(int(cu[-1]) + pad_tokens, num_q_heads, head_dim))
+    return q, kp, vp, cu, seq_lens, table

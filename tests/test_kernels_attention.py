@@ -12,21 +12,15 @@ import pytest
 from pallas_kernels import ops
 from pallas_kernels import paged_attention as attn
 from pallas_kernels._common import interpret_default
+from pallas_kernels.testing import paged_attention_case
 
 INTERPRET = interpret_default()
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def _case(rng, ext, prefix, page_size, hq, hkv, d, dtype, pad_tokens=2):
-    seq_lens = np.array(ext, np.int32) + np.array(prefix, np.int32)
-    pages_per = int(max(1, -(-seq_lens.max() // page_size))) + 1
-    num_pages = len(ext) * pages_per + 1
-    table = rng.permutation(np.arange(1, num_pages))[:len(ext) * pages_per]
-    table = table.reshape(len(ext), pages_per).astype(np.int32)
-    kp = rng.normal(size=(num_pages, page_size, hkv, d))
-    vp = rng.normal(size=(num_pages, page_size, hkv, d))
-    cu = np.concatenate([[0], np.cumsum(ext)]).astype(np.int32)
-    q = rng.normal(size=(int(cu[-1]) + pad_tokens, hq, d))
+    q, kp, vp, cu, seq_lens, table = paged_attention_case(rng, ext, prefix, page_size, hq, hkv,
+                                                          d, pad_tokens)
     arr = lambda a: jnp.asarray(a, dtype)
     return arr(q), arr(kp), arr(vp), jnp.asarray(cu), jnp.asarray(seq_lens), jnp.asarray(table)
 

@@ -22,10 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels._common import (
-    check,
+    check_chunk_size,
     chunk_layout,
     chunk_targets,
     copy_empty_targets,
+    max_chunks,
     state_targets,
 )
 from pallas_kernels.causal_conv1d import _bias_row, _check_conv
@@ -124,12 +125,11 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
     x ``[T, C]``, weight ``[K, C]``, bias ``[C]`` or None, conv_pool ``[N, K-1, C]`` (x dtype).
     Returns ``(y [T, C] in x.dtype (0 past cu_seqlens[-1]), conv_pool)``."""
     _check_conv(x, weight, bias, conv_pool)
-    check(chunk_size % 8 == 0 and chunk_size > 0,
-          f"chunk_size {chunk_size} must be a positive multiple of 8")
+    check_chunk_size(chunk_size)
     num_tokens, channels = x.shape
     width = weight.shape[0] - 1
     num_seqs = read_slot.shape[0]
-    num_chunks = min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
+    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
     _, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     c = jnp.arange(num_chunks, dtype=jnp.int32)

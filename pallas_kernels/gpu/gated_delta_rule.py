@@ -23,6 +23,7 @@ from pallas_kernels._common import (
     chunk_layout,
     chunk_targets,
     copy_empty_targets,
+    max_chunks,
     state_targets,
     token_seq_ids,
 )
@@ -180,7 +181,7 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
           f"chunk_size {chunk_size} must be a power of two >= {SUB} on GPU")
     num_tokens = v.shape[0]
     num_seqs = read_slot.shape[0]
-    num_chunks = min(-(-num_tokens // chunk_size) + num_seqs, max(num_tokens, 1))
+    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
     _, _, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
     t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
                                          snap_slot)

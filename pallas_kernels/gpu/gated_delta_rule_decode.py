@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels._common import check
 from pallas_kernels.gated_delta_rule import gated_delta_rule_decode_reference  # noqa: F401
+from pallas_kernels.gated_delta_rule_decode import check_gdr_decode
 from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16
 
 _F32 = jnp.float32
@@ -69,13 +69,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
     f32 (donated, updated in place). Returns ``(o [B, Hv, Dv] in v.dtype, ssm_pool)``.
     """
     num_seqs, num_heads, dv = v.shape
-    hk, dk = q.shape[1:]
-    check(k.shape == q.shape and q.shape[0] == num_seqs and num_heads % hk == 0,
-          f"q {q.shape} / k {k.shape} must be [{num_seqs}, Hk, Dk] with {num_heads} % Hk == 0")
-    check(g.shape == (num_seqs, num_heads) and beta.shape == (num_seqs, num_heads),
-          f"g {g.shape} / beta {beta.shape} must be {(num_seqs, num_heads)}")
-    check(ssm_pool.shape[1:] == (num_heads, dk, dv) and ssm_pool.dtype == jnp.float32,
-          f"ssm_pool {ssm_pool.shape} {ssm_pool.dtype} must be [N, {num_heads}, {dk}, {dv}] f32")
+    hk, dk = check_gdr_decode(q, k, v, g, beta, ssm_pool)
     block_v = min(BLOCK_V, pow2_at_least_16(dv))
     kernel = functools.partial(_gdr_decode_kernel, head_k_dim=dk, block_k=pow2_at_least_16(dk),
                                block_v=block_v, group=num_heads // hk)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels._common import check, chunk_layout
+from pallas_kernels._common import check, chunk_layout, max_chunks
 
 _F32 = jnp.float32
 _MASKED = -1e30
@@ -126,7 +126,7 @@ def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, sc
     group = num_q_heads // num_kv_heads
     num_rows = max(16, _pow2_at_least(group * block_q))
     padded_dim = max(16, _pow2_at_least(head_dim))
-    num_chunks = min(-(-num_tokens // block_q) + num_seqs, max(num_tokens, 1))
+    num_chunks = max_chunks(num_tokens, block_q, num_seqs)
     _, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, block_q, num_chunks)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     c = jnp.arange(num_chunks, dtype=jnp.int32)
