@@ -32,8 +32,9 @@ def bucket(n: int, minimum: int) -> int:
 
 
 def _step(params: Any, pools: PoolState, batch: ForwardBatch, sb: SamplingBatch, *,
-          cfg: Any, kernels: str, decode: bool):
-    pools, logits = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode)
+          cfg: Any, kernels: str, decode: bool, mesh: Any = None):
+    pools, logits = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
+                                  mesh=mesh)
     tokens, logprobs = sample(logits, sb)
     return pools, tokens, logprobs
 
@@ -52,11 +53,13 @@ def jitted_step(cfg: Any, kernels: str, decode: bool):
 
 
 @functools.cache
-def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any):
-    """``jitted_step`` pinned to a mesh (tensor parallel, ``mambacache.parallel``): params come
+def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
+                        mesh: Any):
+    """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel``): params come
     placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps, tokens and
-    logprobs come back with ``out_sh`` (replicated)."""
-    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode),
+    logprobs come back with ``out_sh`` (replicated). The model runs every kernel op per device
+    in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
+    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh),
                    donate_argnums=(1,), out_shardings=(pool_sh, out_sh, out_sh))
 
 
@@ -79,11 +82,11 @@ class ModelRunner:
 
     # [parallel] tensor parallel: set by ``mambacache.parallel.shard_engine``
     def use_shardings(self, mesh: Any, pool_sh: Any) -> None:
-        """Compile the step for pools placed with ``pool_sh`` (params: as placed)."""
+        """Compile the step for ``mesh``, pools placed with ``pool_sh`` (params: as placed)."""
         from mambacache.parallel import replicated
 
         self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
-                                            replicated(mesh)) for d in (False, True)}
+                                            replicated(mesh), mesh) for d in (False, True)}
 
     @property
     def programs_compiled(self) -> int:

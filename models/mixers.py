@@ -1,7 +1,9 @@
 """Token mixers: Gated DeltaNet (linear attention) and gated full attention over paged KV.
 
 Both read and write the pools through ``pallas_kernels.ops`` only; ``batch`` is duck-typed
-(``mambacache.batch.ForwardBatch``: packed ragged tokens, see that module).
+(``mambacache.batch.ForwardBatch``: packed ragged tokens, see that module). ``mesh`` (static, a
+``jax.sharding.Mesh`` or None) is handed to every kernel op: under tensor parallelism each op runs
+per device on its own heads (``ops``' docstring).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.layers import F32, apply_rope, gated_rms_norm, rms_norm, rope_cos_sin
@@ -37,8 +40,8 @@ def _gdn_split(cfg: ModelConfig, y: jax.Array):
 
 
 def gated_delta_net(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, conv_pool: jax.Array,
-                    ssm_pool: jax.Array, batch: Any, *, decode: bool,
-                    impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    ssm_pool: jax.Array, batch: Any, *, decode: bool, impl: str,
+                    mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Gated DeltaNet layer. x ``[T, H]`` -> (out ``[T, H]``, conv_pool, ssm_pool).
 
     ``decode`` = one token per sequence (T == B), using the single-step ops.
@@ -46,29 +49,32 @@ def gated_delta_net(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, con
     qkv, z, b, a = _gdn_project(cfg, p, x)
     if decode:
         y, conv_pool = ops.causal_conv1d_decode(
-            qkv, p["conv_w"], None, conv_pool, batch.read_slot, batch.write_slot, impl=impl)
+            qkv, p["conv_w"], None, conv_pool, batch.read_slot, batch.write_slot, impl=impl,
+            mesh=mesh)
     else:
         y, conv_pool = ops.causal_conv1d_extend(
             qkv, p["conv_w"], None, conv_pool, batch.cu_seqlens, batch.read_slot,
-            batch.write_slot, batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl)
+            batch.write_slot, batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl,
+            mesh=mesh)
     q, k, v = _gdn_split(cfg, y)
     beta = jax.nn.sigmoid(b).astype(F32)
     g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"])
     if decode:
         o, ssm_pool = ops.gated_delta_rule_decode(
-            q, k, v, g, beta, ssm_pool, batch.read_slot, batch.write_slot, impl=impl)
+            q, k, v, g, beta, ssm_pool, batch.read_slot, batch.write_slot, impl=impl,
+            mesh=mesh)
     else:
         o, ssm_pool = ops.gated_delta_rule_extend(
             q, k, v, g, beta, ssm_pool, batch.cu_seqlens, batch.read_slot, batch.write_slot,
-            batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl)
+            batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh)
     o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
     out = o.reshape(o.shape[0], cfg.linear_value_dim) @ p["out_proj"]
     return out, conv_pool, ssm_pool
 
 
 def full_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, k_pages: jax.Array,
-                   v_pages: jax.Array, batch: Any,
-                   impl: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   v_pages: jax.Array, batch: Any, impl: str,
+                   mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated GQA attention with zero-centred q/k norms and partial RoPE over paged KV.
 
     x ``[T, H]`` -> (out ``[T, H]``, k_pages, v_pages). This step's K/V are written at
@@ -87,6 +93,6 @@ def full_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, k_pa
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.out_cache_loc)
     o = ops.paged_attention(q, k_pages, v_pages, batch.cu_seqlens, batch.seq_lens,
-                            batch.page_table, scale=d ** -0.5, impl=impl)
+                            batch.page_table, scale=d ** -0.5, impl=impl, mesh=mesh)
     o = o.reshape(t, hq * d) * jax.nn.sigmoid(gate)
     return o @ p["o_proj"], k_pages, v_pages

@@ -1,4 +1,4 @@
-"""The serving forward pass: ``forward(params, pools, batch, *, cfg, kernels, decode)``.
+"""The serving forward pass: ``forward(params, pools, batch, *, cfg, kernels, decode, mesh)``.
 
 Jittable with the pools donated::
 
@@ -8,6 +8,8 @@ Jittable with the pools donated::
 ``pools`` is duck-typed ``mambacache.pools.PoolState`` (tuples ``k_pages``/``v_pages`` per full
 layer, ``conv``/``ssm`` per linear layer, in layer order; updated with ``pools.replace``) and
 ``batch`` a ``mambacache.batch.ForwardBatch``. This module does not import ``mambacache``.
+``mesh`` (static; tensor parallel): the ``jax.sharding.Mesh`` the params and pools are sharded
+over, or None for one device; the kernel ops then run per device inside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.layers import rms_norm, sparse_moe, swiglu
@@ -32,11 +35,13 @@ def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array) -> jax.Array:
 
 
 def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
-            kernels: str = "auto", decode: bool = False) -> tuple[Any, jax.Array]:
+            kernels: str = "auto", decode: bool = False,
+            mesh: Mesh | None = None) -> tuple[Any, jax.Array]:
     """Run one step over the packed batch; returns (updated pools, logits ``[L, V]`` float32).
 
     Logits are taken at ``batch.logits_indices``. ``decode=True`` requires one token per
-    sequence (``T == B``) and uses the single-step recurrent/conv ops.
+    sequence (``T == B``) and uses the single-step recurrent/conv ops. ``mesh``: see the module
+    docstring (its ``"tp"`` axis splits heads; None = one device).
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
@@ -53,11 +58,12 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
         if kind == "linear_attention":
             x, conv[linear_i], ssm[linear_i] = gated_delta_net(
                 cfg, layer["gdn"], x, conv[linear_i], ssm[linear_i], batch, decode=decode,
-                impl=impl)
+                impl=impl, mesh=mesh)
             linear_i += 1
         else:
             x, k_pages[full_i], v_pages[full_i] = full_attention(
-                cfg, layer["attn"], x, k_pages[full_i], v_pages[full_i], batch, impl=impl)
+                cfg, layer["attn"], x, k_pages[full_i], v_pages[full_i], batch, impl=impl,
+                mesh=mesh)
             full_i += 1
         h = h + x
         h = h + _mlp(cfg, layer, rms_norm(h, layer["post_norm"], cfg.rms_norm_eps))

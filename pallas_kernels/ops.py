@@ -11,6 +11,13 @@ backend and interpreted elsewhere; ``PALLAS_INTERPRET=0|1`` overrides that
 (``_common.interpret_default``). "reference" runs the plain-jnp form beside each kernel. Shapes,
 padding conventions and the math are in ``docs/kernels.md`` and in each kernel module. All pools
 are returned updated (donate them in the caller's jit).
+
+Tensor parallel: given a ``mesh`` (a ``jax.sharding.Mesh`` with a ``"tp"`` axis; None = one
+device), each op runs its kernel or reference inside ``jax.shard_map`` over ``"tp"``, head- or
+channel-parallel with no collective inside: every device runs the op on its own heads / channels
+of the inputs and of the pools (the specs of ``mambacache.parallel.pool_specs``), and index
+arrays are replicated. A ``pallas_call`` is opaque to GSPMD, which would otherwise gather the
+head-sharded pools onto every device around it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import causal_conv1d as _conv
 from pallas_kernels import gated_delta_rule as _gdr
@@ -76,42 +85,86 @@ def _kernel(impl: str, name: str):
     return lambda *args, **kw: fn(*args, interpret=interpret, **kw)
 
 
+TP_AXIS = "tp"  # the mesh axis heads and channels are split over (``mambacache.parallel.TP``)
+_REP = P()
+_HEADS = P(None, TP_AXIS)            # [T, H, ...] / [T, C]: axis 1
+_POOL_HEADS = P(None, TP_AXIS)       # ssm_pool [N, Hv, Dk, Dv]
+_CONV_POOL = P(None, None, TP_AXIS)  # conv_pool [N, K-1, C]
+_PAGES = P(None, None, TP_AXIS)      # k_pages / v_pages [N, page_size, Hkv, D]
+
+
 def _arrays(args: tuple) -> tuple:
     return jax.tree.map(jnp.asarray, args)
 
 
+def _on_mesh(fn, mesh: Mesh | None, in_specs: tuple, out_specs):
+    """``fn`` as is without a mesh; else per device over ``mesh``'s ``"tp"`` axis (no collective
+    inside: ``check_vma`` off, since a ``pallas_call`` does not declare how it varies)."""
+    if mesh is None:
+        return fn
+    if TP_AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} must include {TP_AXIS!r}")
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
 def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
-                            snap_seq, snap_offset, snap_slot, *, impl: str):
+                            snap_seq, snap_offset, snap_slot, *, impl: str,
+                            mesh: Mesh | None = None):
     """q, k ``[T, Hk, Dk]`` raw; v ``[T, Hv, Dv]``; g, beta ``[T, Hv]`` f32; ssm_pool ``[N, Hv,
-    Dk, Dv]`` f32. Returns ``(o [T, Hv, Dv] in v.dtype, ssm_pool)``."""
+    Dk, Dv]`` f32. Returns ``(o [T, Hv, Dv] in v.dtype, ssm_pool)``. With ``mesh``: heads of
+    q, k, v, g, beta, o and the pool split over "tp" (tp divides Hk and Hv, so each device's
+    key heads are the GQA groups of its value heads)."""
     args = _arrays((q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    kernel = _kernel(impl, "gdr_extend")
-    return kernel(*args) if kernel else _gdr.gated_delta_rule_extend_reference(*args)
+    fn = _kernel(impl, "gdr_extend") or _gdr.gated_delta_rule_extend_reference
+    specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 6
+    return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
 
-def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, impl: str):
-    """q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``. Returns ``(o, ssm_pool)``."""
+def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, impl: str,
+                            mesh: Mesh | None = None):
+    """q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``. Returns ``(o, ssm_pool)``.
+    With ``mesh``: split as in ``gated_delta_rule_extend``."""
     args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
-    kernel = _kernel(impl, "gdr_decode")
-    return kernel(*args) if kernel else _gdr.gated_delta_rule_decode_reference(*args)
+    fn = _kernel(impl, "gdr_decode") or _gdr.gated_delta_rule_decode_reference
+    specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 2
+    return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
 
 def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot,
-                         snap_seq, snap_offset, snap_slot, *, impl: str):
+                         snap_seq, snap_offset, snap_slot, *, impl: str,
+                         mesh: Mesh | None = None):
     """x ``[T, C]``; weight ``[K, C]``; bias ``[C]`` or None; conv_pool ``[N, K-1, C]``.
-    Returns ``(y [T, C] in x.dtype, conv_pool)``."""
-    args = _arrays((x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+    Returns ``(y [T, C] in x.dtype, conv_pool)``. With ``mesh``: channels of x, weight, bias, y
+    and the pool split over "tp" (a depthwise conv: any contiguous channel split is exact)."""
+    args = _arrays((x, weight, conv_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    kernel = _kernel(impl, "conv_extend")
-    return kernel(*args) if kernel else _conv.causal_conv1d_extend_reference(*args)
+    fn = _kernel(impl, "conv_extend") or _conv.causal_conv1d_extend_reference
+    specs = (_HEADS, _HEADS, _CONV_POOL) + (_REP,) * 6
+    return _with_bias(fn, bias, mesh, specs, (_HEADS, _CONV_POOL))(*args)
 
 
-def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *, impl: str):
-    """x ``[B, C]``, one token per sequence. Returns ``(y [B, C], conv_pool)``."""
-    args = _arrays((x, weight, bias, conv_pool, read_slot, write_slot))
-    kernel = _kernel(impl, "conv_decode")
-    return kernel(*args) if kernel else _conv.causal_conv1d_decode_reference(*args)
+def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *, impl: str,
+                         mesh: Mesh | None = None):
+    """x ``[B, C]``, one token per sequence. Returns ``(y [B, C], conv_pool)``. With ``mesh``:
+    split as in ``causal_conv1d_extend``."""
+    args = _arrays((x, weight, conv_pool, read_slot, write_slot))
+    fn = _kernel(impl, "conv_decode") or _conv.causal_conv1d_decode_reference
+    specs = (_HEADS, _HEADS, _CONV_POOL, _REP, _REP)
+    return _with_bias(fn, bias, mesh, specs, (_HEADS, _CONV_POOL))(*args)
+
+
+def _with_bias(fn, bias, mesh: Mesh | None, specs: tuple, out_specs):
+    """A conv op taking ``(x, weight, conv_pool, *rest)``: ``bias`` (``[C]`` or None) goes in
+    third place, split over "tp" on its only axis when there is a mesh."""
+    if bias is None:
+        return _on_mesh(lambda x, w, pool, *rest: fn(x, w, None, pool, *rest), mesh, specs,
+                        out_specs)
+    specs = specs[:2] + (P(TP_AXIS),) + specs[2:]
+    inner = _on_mesh(lambda x, w, b, pool, *rest: fn(x, w, b, pool, *rest), mesh, specs,
+                     out_specs)
+    return lambda x, w, pool, *rest: inner(x, w, jnp.asarray(bias), pool, *rest)
 
 
 def write_kv(k_pages, v_pages, k, v, out_cache_loc):
@@ -121,10 +174,15 @@ def write_kv(k_pages, v_pages, k, v, out_cache_loc):
 
 
 def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
-                    impl: str):
-    """q ``[T, Hq, D]``; pages hold this step's K/V already. Returns ``[T, Hq, D]`` in q.dtype."""
+                    impl: str, mesh: Mesh | None = None):
+    """q ``[T, Hq, D]``; pages hold this step's K/V already. Returns ``[T, Hq, D]`` in q.dtype.
+    With ``mesh``: query heads of q and the output, KV heads of the pages split over "tp"
+    (tp divides Hkv, so each device's query heads are the GQA groups of its KV heads)."""
     args = _arrays((q, k_pages, v_pages, cu_seqlens, seq_lens, page_table))
-    kernel = _kernel(impl, "paged_attention")
-    if kernel:
-        return kernel(*args, scale=scale)
-    return _attn.paged_attention_reference(*args, scale=scale)
+    kernel = _kernel(impl, "paged_attention") or _attn.paged_attention_reference
+
+    def fn(*a):
+        return kernel(*a, scale=scale)
+
+    specs = (_HEADS, _PAGES, _PAGES, _REP, _REP, _REP)
+    return _on_mesh(fn, mesh, specs, _HEADS)(*args)
