@@ -1,7 +1,11 @@
 """Tensor parallelism: a 1-D device mesh (axis ``"tp"``) and the shardings of params and pools.
 
-The model code is plain ``jnp`` (``kernels="reference"``), so GSPMD partitions the jitted step
-from the input shardings alone. Heads are split over the ``tp`` axis:
+GSPMD partitions the jitted step from the input shardings, except the kernel ops: the runner
+passes the mesh to the model (``jitted_sharded_step``), and each op of ``pallas_kernels.ops``
+(Pallas kernel or jnp reference alike) runs inside ``jax.shard_map`` over ``tp``, on each
+device's own heads / channels of the pools (``pool_specs``), index arrays replicated, no
+collective inside. A ``pallas_call`` is opaque to GSPMD, which would gather the pools whole onto
+every device around it. Heads are split over the ``tp`` axis:
 
 * pools: KV pages on the KV-head axis, conv state on the channel axis, SSM state on the
   value-head axis (``pool_specs``). Page and slot ids stay global, so the host side (radix
