@@ -161,9 +161,7 @@ def _with_bias(fn, bias, mesh: Mesh | None, specs: tuple, out_specs):
     if bias is None:
         return _on_mesh(lambda x, w, pool, *rest: fn(x, w, None, pool, *rest), mesh, specs,
                         out_specs)
-    specs = specs[:2] + (P(TP_AXIS),) + specs[2:]
-    inner = _on_mesh(lambda x, w, b, pool, *rest: fn(x, w, b, pool, *rest), mesh, specs,
-                     out_specs)
+    inner = _on_mesh(fn, mesh, specs[:2] + (P(TP_AXIS),) + specs[2:], out_specs)
     return lambda x, w, pool, *rest: inner(x, w, jnp.asarray(bias), pool, *rest)
 
 
