@@ -19,6 +19,7 @@ from mambacache.pools import PoolState
 from mambacache.sampling import SamplingBatch, sample
 from mambacache.sampling_params import SamplingParams
 from models.model import forward as model_forward
+from pallas_kernels import ops
 
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 64
@@ -39,26 +40,37 @@ def _step(params: Any, pools: PoolState, batch: ForwardBatch, sb: SamplingBatch,
     return pools, tokens, logprobs
 
 
-@functools.cache
 def jitted_step(cfg: Any, kernels: str, decode: bool):
-    """One jitted program family per (model config, kernels, decode): engines over the same model
-    share compiled programs. Pools (argument 1) are donated.
+    """One jitted program family per (model config, kernels, decode, kernel family): engines over
+    the same model share compiled programs. Pools (argument 1) are donated.
 
     Buckets: tokens and pages per sequence are powers of two (at least ``MIN_TOKEN_BUCKET`` and
     ``MIN_PAGE_BUCKET``), the sequence axis is always ``max_running_requests`` rounded up to a
     power of two, snapshots a power of two (at least ``MIN_SNAPSHOT_BUCKET``).
     """
+    return _jitted_step(cfg, kernels, decode, ops.kernel_family())
+
+
+@functools.cache
+def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str):
+    del family  # a cache key only: ``ops`` reads PALLAS_FAMILY when tracing
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode),
                    donate_argnums=(1,))
 
 
-@functools.cache
 def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
                         mesh: Any):
     """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel``): params come
     placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps, tokens and
     logprobs come back with ``out_sh`` (replicated). The model runs every kernel op per device
     in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
+    return _jitted_sharded_step(cfg, kernels, decode, pool_sh, out_sh, mesh, ops.kernel_family())
+
+
+@functools.cache
+def _jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
+                         mesh: Any, family: str):
+    del family  # a cache key only, as in ``_jitted_step``
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh),
                    donate_argnums=(1,), out_shardings=(pool_sh, out_sh, out_sh))
 
