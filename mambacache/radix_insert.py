@@ -45,7 +45,10 @@ class TreeInsert:
         path, shared_end, partial, partial_len = self._walk(root, tokens, whole)
         snaps = snapshots or {}
         accepted, rejected = self._classify(snaps, path, shared_end, whole)
-        kept = max([n.depth for n in path if n.slot is not None] + accepted + [0])
+        kept = accepted[-1] if accepted else 0  # the deepest state on the path or accepted
+        for node in path:
+            if node.slot is not None and node.depth > kept:
+                kept = node.depth
         # 2. ids: duplicate and surplus pages freed, new pages adopted, slots freed or adopted
         new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept)
         if rejected:
@@ -151,7 +154,7 @@ class TreeInsert:
         surplus = max(shared_end, kept) // ps
         if surplus < len(pages):
             to_free.append(pages[surplus:])
-        num_freed = sum(len(x) for x in to_free)
+        num_freed = sum(len(x) for x in to_free) if to_free else 0
         if num_freed:
             self.pages.free(np.concatenate(to_free) if len(to_free) > 1 else to_free[0])
         if kept <= shared_end:
