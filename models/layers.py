@@ -1,4 +1,6 @@
-"""Stateless building blocks: RMS norms, partial NeoX RoPE, the dense MLP and the sparse MoE.
+"""Stateless building blocks: RMS norms, partial NeoX RoPE and the dense (SwiGLU) MLP.
+
+The MoE lives in ``models/moe.py``.
 
 Dtype handling follows transformers' Qwen3-Next modules op for op (norm statistics in float32,
 casts back to the activation dtype at the same points), so fp32 matches to rounding and bf16
@@ -60,35 +62,3 @@ def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """``down(silu(gate(x)) * up(x))``; x ``[T, H]``, gate_up ``[H, 2I]`` (gate | up)."""
     g, u = jnp.split(x @ gate_up, 2, axis=-1)
     return (jax.nn.silu(g) * u) @ down
-
-
-def router_weights(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> jax.Array:
-    """Dense routing weights ``[T, E]`` in x.dtype: softmax (fp32) -> top-k -> renormalise.
-
-    Experts outside a token's top-k get weight 0.
-    """
-    logits = x @ router
-    probs = jax.nn.softmax(logits.astype(F32), axis=-1)
-    top_vals, top_idx = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
-        top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
-    top_vals = top_vals.astype(x.dtype)
-    one_hot = jax.nn.one_hot(top_idx, router.shape[-1], dtype=x.dtype)  # [T, k, E]
-    return jnp.einsum("tk,tke->te", top_vals, one_hot)
-
-
-def sparse_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int,
-               norm_topk_prob: bool) -> jax.Array:
-    """Top-k MoE plus the sigmoid-gated shared expert. x ``[T, H]`` -> ``[T, H]``.
-
-    Dense form: every expert runs on every token and non-selected experts are weighted by 0
-    (exact; meant for tiny models and CPU tests, cost ``T * E``).
-    """
-    weights = router_weights(x, p["router"], top_k, norm_topk_prob)  # [T, E]
-    h = jnp.einsum("th,ehi->tei", x, p["gate_up"])
-    g, u = jnp.split(h, 2, axis=-1)
-    per_expert = jnp.einsum("tei,eih->teh", jax.nn.silu(g) * u, p["down"])
-    routed = jnp.einsum("teh,te->th", per_expert, weights)
-    shared = swiglu(x, p["shared_gate_up"], p["shared_down"])
-    shared = jax.nn.sigmoid(x @ p["shared_gate"]) * shared
-    return routed + shared

@@ -9,7 +9,8 @@ Jittable with the pools donated::
 layer, ``conv``/``ssm`` per linear layer, in layer order; updated with ``pools.replace``) and
 ``batch`` a ``mambacache.batch.ForwardBatch``. This module does not import ``mambacache``.
 ``mesh`` (static; tensor parallel): the ``jax.sharding.Mesh`` the params and pools are sharded
-over, or None for one device; the kernel ops then run per device inside ``shard_map``.
+over, or None for one device; the kernel ops and the routed experts of the MoE then run per
+device inside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
-from models.layers import rms_norm, sparse_moe, swiglu
+from models.layers import rms_norm, swiglu
 from models.mixers import full_attention, gated_delta_net
+from models.moe import moe_grouped
 from pallas_kernels import ops
 
 KERNELS = ("pallas", "reference", "auto")
 
 
-def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array) -> jax.Array:
+def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, mesh: Mesh | None) -> jax.Array:
     if "moe" in layer:
-        return sparse_moe(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                           mesh=mesh)
     return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
 
 
@@ -66,7 +69,7 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
                 mesh=mesh)
             full_i += 1
         h = h + x
-        h = h + _mlp(cfg, layer, rms_norm(h, layer["post_norm"], cfg.rms_norm_eps))
+        h = h + _mlp(cfg, layer, rms_norm(h, layer["post_norm"], cfg.rms_norm_eps), mesh)
     h = jnp.take(h, batch.logits_indices, axis=0)
     logits = (rms_norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
     pools = pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),

@@ -1,0 +1,133 @@
+"""Top-k mixture of experts with a sigmoid-gated shared expert: grouped (serving) and dense forms.
+
+Routing (both forms, one ``jax.lax.top_k`` call, so ties resolve identically): ``softmax`` of
+``x @ router`` in fp32, top-k, optionally renormalised, cast to the activation dtype.
+
+* ``moe_grouped``: the serving form. The ``T * k`` (token, expert) pairs are sorted by expert and
+  each expert's SwiGLU runs only on its own rows with ``jax.lax.ragged_dot`` (per-expert group
+  sizes), then the outputs are weighted and summed back per token. Work ``~ T * k``.
+  On GPU / TPU ``ragged_dot`` lowers to the native grouped matmul (``chlo.ragged_dot``; Triton
+  Pallas on GPU); on CPU JAX expands it to a masked dense matmul over every group, so there the
+  grouped form costs ``E * T * k`` (see ``docs/model.md`` for the measurement).
+  Under tensor parallel (``mesh`` with a ``"tp"`` axis, experts split on axis 0) the routed part
+  runs in ``jax.shard_map``: x and the routing replicated, each device takes the pairs of its
+  ``E / tp`` local experts, and the partial outputs are summed with ``psum`` over ``"tp"``.
+  GSPMD is never asked to partition the ragged group axis.
+* ``moe_dense_reference``: every expert on every token, weight 0 outside the top-k (cost
+  ``T * E``): the exactness reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from models.layers import F32, swiglu
+
+TP_AXIS = "tp"
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int,
+          norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing: weights ``[T, k]`` in x.dtype and expert ids ``[T, k]`` int32.
+
+    x ``[T, H]``, router ``[H, E]``; softmax in fp32, renormalised over the top-k if
+    ``norm_topk_prob``. Raises ``ValueError`` unless ``1 <= top_k <= E``.
+    """
+    num_experts = router.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    probs = jax.nn.softmax((x @ router).astype(F32), axis=-1)
+    top_vals, top_idx = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+    return top_vals.astype(x.dtype), top_idx.astype(jnp.int32)
+
+
+def router_weights(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> jax.Array:
+    """Dense routing weights ``[T, E]`` in x.dtype (0 outside each token's top-k)."""
+    top_vals, top_idx = route(x, router, top_k, norm_topk_prob)
+    one_hot = jax.nn.one_hot(top_idx, router.shape[-1], dtype=x.dtype)  # [T, k, E]
+    return jnp.einsum("tk,tke->te", top_vals, one_hot)
+
+
+def _shared_expert(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    shared = swiglu(x, p["shared_gate_up"], p["shared_down"])
+    return jax.nn.sigmoid(x @ p["shared_gate"]) * shared
+
+
+def moe_dense_reference(x: jax.Array, p: dict[str, jax.Array], top_k: int,
+                        norm_topk_prob: bool) -> jax.Array:
+    """Dense form: every expert on every token, non-selected weighted by 0. x ``[T, H]``.
+
+    p: ``router [H, E]``, ``gate_up [E, H, 2I]`` (gate | up), ``down [E, I, H]``, shared expert
+    ``shared_gate_up [H, 2Is]``, ``shared_down [Is, H]``, ``shared_gate [H, 1]``. Returns
+    ``[T, H]`` in x.dtype. Exact but costs ``T * E`` expert evaluations.
+    """
+    weights = router_weights(x, p["router"], top_k, norm_topk_prob)  # [T, E]
+    h = jnp.einsum("th,ehi->tei", x, p["gate_up"])
+    g, u = jnp.split(h, 2, axis=-1)
+    per_expert = jnp.einsum("tei,eih->teh", jax.nn.silu(g) * u, p["down"])
+    routed = jnp.einsum("teh,te->th", per_expert, weights)
+    return routed + _shared_expert(x, p)
+
+
+def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_up: jax.Array,
+                     down: jax.Array, expert_offset: jax.Array | int) -> jax.Array:
+    """Routed output ``[T, H]`` float32 of the experts ``expert_offset + [0, E_local)``.
+
+    x ``[T, H]``; top_vals / top_idx ``[T, k]`` (global expert ids); gate_up ``[E_local, H, 2I]``,
+    down ``[E_local, I, H]``. Pairs routed to other experts contribute 0 (tensor parallel).
+    """
+    num_tokens, top_k = top_idx.shape
+    num_local = gate_up.shape[0]
+    local = top_idx.reshape(-1) - expert_offset                    # [T*k]
+    is_local = (local >= 0) & (local < num_local)
+    group = jnp.where(is_local, local, num_local)                  # others sort last
+    order = jnp.argsort(group, stable=True)                        # [T*k] pair ids by expert
+    group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
+    rows = jnp.take(x, order // top_k, axis=0)                     # [T*k, H]
+    h = jax.lax.ragged_dot(rows, gate_up, group_sizes)             # [T*k, 2I]
+    g, u = jnp.split(h, 2, axis=-1)
+    out = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, group_sizes)  # [T*k, H]
+    # rows past sum(group_sizes) (other devices' pairs) are not defined by ragged_dot: mask
+    out = jnp.where(jnp.take(is_local, order)[:, None], out, jnp.zeros_like(out))
+    weighted = out * jnp.take(top_vals.reshape(-1), order)[:, None]  # x.dtype, as the dense form
+    unsorted = jnp.zeros_like(weighted).at[order].set(weighted, unique_indices=True)
+    return jnp.sum(unsorted.reshape(num_tokens, top_k, -1).astype(F32), axis=1)
+
+
+def moe_grouped(x: jax.Array, p: dict[str, jax.Array], top_k: int, norm_topk_prob: bool, *,
+                mesh: Mesh | None = None) -> jax.Array:
+    """Grouped (token-sorted) top-k MoE plus the shared expert; x ``[T, H]`` -> ``[T, H]``.
+
+    Same params and result as ``moe_dense_reference`` (fp32: equal to rounding), cost
+    ``~T * k`` on GPU / TPU. ``mesh``: None for one device, else a mesh with a ``"tp"`` axis
+    over which ``gate_up`` / ``down`` are split on the expert axis (``E % tp == 0``).
+    """
+    top_vals, top_idx = route(x, p["router"], top_k, norm_topk_prob)
+    if mesh is None:
+        routed = _grouped_experts(x, top_vals, top_idx, p["gate_up"], p["down"], 0)
+    else:
+        routed = _routed_on_mesh(x, top_vals, top_idx, p["gate_up"], p["down"], mesh)
+    return routed.astype(x.dtype) + _shared_expert(x, p)
+
+
+def _routed_on_mesh(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_up: jax.Array,
+                    down: jax.Array, mesh: Mesh) -> jax.Array:
+    if TP_AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} must include {TP_AXIS!r}")
+    tp = mesh.shape[TP_AXIS]
+    if gate_up.shape[0] % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide num_experts ({gate_up.shape[0]})")
+
+    def per_device(x, top_vals, top_idx, gate_up, down):
+        offset = jax.lax.axis_index(TP_AXIS) * gate_up.shape[0]
+        part = _grouped_experts(x, top_vals, top_idx, gate_up, down, offset)
+        return jax.lax.psum(part, TP_AXIS)
+
+    experts = P(TP_AXIS, None, None)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), experts, experts),
+                         out_specs=P(), check_vma=False)(x, top_vals, top_idx, gate_up, down)
