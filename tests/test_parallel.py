@@ -42,14 +42,26 @@ system = rng.integers(0, 512, 24).tolist()
 prompts = [system + rng.integers(0, 512, n).tolist() for n in (5, 40)]
 sp = mc.SamplingParams(max_new_tokens=5)
 result = {}
+hlo = {}
+
+
+def record_hlo(fn, tp):
+    def wrapped(*args):  # the compiled extend step's HLO, once per TP degree
+        hlo.setdefault(tp, fn.lower(*args).compile().as_text())
+        return fn(*args)
+    return wrapped
+
+
 for tp in (1, 2, 4):
     cfg = mc.EngineConfig().replace(**{**base, "parallel.tensor_parallel": tp})
     engine = Engine(cfg, model=(model_cfg, params))
+    engine.runner._fns[False] = record_hlo(engine.runner._fns[False], tp)
     outs = engine.generate(prompts, sp) + engine.generate(prompts[:1], sp)
     shard = engine.runner.pools.ssm[0].addressable_shards[0].data.shape
     result[tp] = dict(tokens=[o.output_token_ids for o in outs],
                       logprobs=[o.output_logprobs for o in outs],
-                      cached=[o.cached_tokens for o in outs], ssm_shard=list(shard))
+                      cached=[o.cached_tokens for o in outs], ssm_shard=list(shard),
+                      whole_experts=[t for t in ("f32[8,64,64]", "f32[8,32,64]") if t in hlo[tp]])
     engine.check_integrity()
 with tempfile.TemporaryDirectory() as d:
     save_params(d, model_cfg, params)
@@ -81,6 +93,9 @@ def test_tensor_parallel_matches_one_device(mesh_run, tp):
     for a, b in zip(ref["logprobs"], got["logprobs"], strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
     assert got["ssm_shard"][1] == 8 // int(tp)  # value heads split over the mesh
+    # no device holds a whole expert tensor (gate_up [E=8, H=64, 2I=64], down [8, 32, 64]); the
+    # one-device step does, which shows the HLO shapes are the ones searched for
+    assert got["whole_experts"] == [] and len(ref["whole_experts"]) == 2
 
 
 def test_orbax_restore_onto_mesh_is_sharded(mesh_run):
