@@ -24,14 +24,22 @@ from jax.sharding import Mesh
 from models.config import ModelConfig
 from models.layers import rms_norm, swiglu
 from models.mixers import full_attention, gated_delta_net
-from models.moe import moe_grouped
+from models.moe import moe_dense_reference, moe_grouped
 from pallas_kernels import ops
 
 KERNELS = ("pallas", "reference", "auto")
 
 
-def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, mesh: Mesh | None) -> jax.Array:
+def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
+         mesh: Mesh | None) -> jax.Array:
+    """Dense SwiGLU, or the MoE: grouped (``ragged_dot``, cost ~ T * k) with the Pallas kernels
+    (GPU/TPU), the dense form (every expert on every token) with the references: on CPU
+    ``ragged_dot`` lowers to a masked dense product that costs E / k times more (``docs/model.md``).
+    """
     if "moe" in layer:
+        if impl == "reference":
+            return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok,
+                                       cfg.norm_topk_prob)
         return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                            mesh=mesh)
     return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
@@ -69,7 +77,7 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
                 mesh=mesh)
             full_i += 1
         h = h + x
-        h = h + _mlp(cfg, layer, rms_norm(h, layer["post_norm"], cfg.rms_norm_eps), mesh)
+        h = h + _mlp(cfg, layer, rms_norm(h, layer["post_norm"], cfg.rms_norm_eps), impl, mesh)
     h = jnp.take(h, batch.logits_indices, axis=0)
     logits = (rms_norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
     pools = pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),

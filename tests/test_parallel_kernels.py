@@ -115,8 +115,10 @@ for tp in tps:
     if tp in hlo_tps:
         found, regions = inspect_programs(seen, fns, pools)
         result[tp].update(full_pool_shapes=found, shard_map_regions=regions)
+# one shard_map region per kernel op, plus one per MoE layer (routed experts, models/moe.py)
 result["kernel_ops_per_step"] = sum(2 if kind == "linear_attention" else 1
-                                    for kind in model_cfg.layer_types)
+                                    for kind in model_cfg.layer_types) + sum(
+    t == "moe" for t in model_cfg.mlp_types)
 print(json.dumps(result))
 """
 
