@@ -113,3 +113,16 @@ def chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot, chunk_size, num_c
     start = jnp.searchsorted(chunk[order], jnp.arange(num_chunks + 1), side="left")
     row = (t_off - inner * chunk_size)[order]
     return start.astype(jnp.int32), row.astype(jnp.int32), t_slot[order]
+
+
+def extend_targets(pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+                   chunk_off, chunk_size: int, num_chunks: int):
+    """The states a chunked extend kernel writes, as its CSR target table; the targets of empty
+    sequences are done here (copies of the initial state). Returns ``(pool, tstart [NC+1],
+    trow [J], tslot [J])`` (see ``state_targets``, ``copy_empty_targets``, ``chunk_targets``)."""
+    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
+                                         snap_slot)
+    pool = copy_empty_targets(pool, cu_seqlens, read_slot, t_seq, t_slot)
+    tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
+                                        chunk_size, num_chunks)
+    return pool, tstart, trow, tslot

@@ -15,9 +15,8 @@ from pallas_kernels._common import (
     check,
     check_chunk_size,
     chunk_layout,
-    chunk_targets,
-    copy_empty_targets,
     drop_slot,
+    extend_targets,
     max_chunks,
     state_targets,
     token_seq_ids,
@@ -117,11 +116,9 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
     src = jnp.where(keep, src, num_tokens + num_seqs * width)
     table = jnp.concatenate([x, conv_pool[read_slot].reshape(-1, channels),
                              jnp.zeros((1, channels), x.dtype)])
-    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
-                                         snap_slot)
-    conv_pool = copy_empty_targets(conv_pool, cu_seqlens, read_slot, t_seq, t_slot)
-    tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
-                                        chunk_size, num_chunks)
+    conv_pool, tstart, trow, tslot = extend_targets(
+        conv_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+        chunk_off, chunk_size, num_chunks)
     y_c, conv_pool = conv_chunk_call(tstart, trow, tslot, table[src], weight,
                                      _bias_row(bias, channels), conv_pool,
                                      block_channels=_block_channels(channels),

@@ -16,9 +16,8 @@ from pallas_kernels._common import (
     check,
     check_chunk_size,
     chunk_layout,
-    chunk_targets,
-    copy_empty_targets,
     drop_slot,
+    extend_targets,
     l2norm,
     max_chunks,
     state_targets,
@@ -125,11 +124,9 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
     gather, cseq, first, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size,
                                                    num_chunks)
-    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
-                                         snap_slot)
-    ssm_pool = copy_empty_targets(ssm_pool, cu_seqlens, read_slot, t_seq, t_slot)
-    tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
-                                         chunk_size, num_chunks)
+    ssm_pool, tstart, trow, tslot = extend_targets(
+        ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+        chunk_off, chunk_size, num_chunks)
 
     def chunked(x):  # [T, H, ...] -> [H, NC, BT, ...] with zero rows
         x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[gather]

@@ -24,10 +24,8 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels._common import (
     check_chunk_size,
     chunk_layout,
-    chunk_targets,
-    copy_empty_targets,
+    extend_targets,
     max_chunks,
-    state_targets,
 )
 from pallas_kernels.causal_conv1d import _bias_row, _check_conv
 
@@ -137,11 +135,9 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
     count = jnp.where(c < chunk_off[-1], jnp.clip(lens[cseq] - loc, 0, chunk_size), 0)
     meta = jnp.stack([cseq, cu_seqlens[cseq], loc, count]).astype(jnp.int32)
     init = conv_pool[read_slot].reshape(num_seqs * width, channels)
-    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
-                                         snap_slot)
-    conv_pool = copy_empty_targets(conv_pool, cu_seqlens, read_slot, t_seq, t_slot)
-    tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
-                                        chunk_size, num_chunks)
+    conv_pool, tstart, trow, tslot = extend_targets(
+        conv_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+        chunk_off, chunk_size, num_chunks)
     block_rows, block_channels = _pow2_at_least(chunk_size), _block_channels(channels)
     kernel = functools.partial(_conv_chunk_kernel, block_rows=block_rows,
                                block_channels=block_channels)

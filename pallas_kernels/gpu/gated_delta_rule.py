@@ -21,10 +21,8 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels._common import (
     check,
     chunk_layout,
-    chunk_targets,
-    copy_empty_targets,
+    extend_targets,
     max_chunks,
-    state_targets,
     token_seq_ids,
 )
 from pallas_kernels.gated_delta_rule import (
@@ -183,11 +181,9 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     num_seqs = read_slot.shape[0]
     num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
     _, _, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
-    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
-                                         snap_slot)
-    ssm_pool = copy_empty_targets(ssm_pool, cu_seqlens, read_slot, t_seq, t_slot)
-    tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
-                                         chunk_size, num_chunks)
+    ssm_pool, tstart, trow, tslot = extend_targets(
+        ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+        chunk_off, chunk_size, num_chunks)
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     o, ssm_pool = _extend_call(
         i32(cu_seqlens), i32(read_slot), chunk_off, tstart, trow, tslot, q, k, v,
