@@ -92,3 +92,48 @@ def test_check_detects_corruption():
 def test_bad_size():
     with pytest.raises(ValueError):
         IdAllocator(0)
+
+
+# Calls with at most 8 ids take a pure-Python path, larger ones the vectorised path: every
+# misuse must be caught on both, with nothing changed when it is.
+@pytest.mark.parametrize("n", [2, 8, 9, 20])
+def test_misuse_caught_on_both_paths(n):
+    a = IdAllocator(64)
+    ids = a.alloc(n)
+    before = a.status_of(np.arange(1, 65, dtype=np.int32)).copy()
+    cases = [
+        ("duplicate", np.concatenate([ids[:-1], ids[:1]])),
+        ("foreign", np.concatenate([ids[:-1], np.array([65], np.int32)])),
+        ("foreign", np.concatenate([ids[:-1], np.array([-3], np.int32)])),
+        ("foreign", np.concatenate([ids[:-1], np.array([10**6], np.int32)])),
+    ]
+    for match, bad in cases:
+        for method, arg in ((a.free, bad), (a.adopt, bad), (a.free, bad.tolist())):
+            with pytest.raises(ValueError, match=match):
+                method(arg)
+        assert (a.status_of(np.arange(1, 65, dtype=np.int32)) == before).all()
+        a.check()
+    a.adopt(ids)
+    with pytest.raises(ValueError, match="wrong owner"):
+        a.free(ids)
+    a.release(ids)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(ids)
+    with pytest.raises(ValueError, match="double free"):
+        a.release(ids)
+    assert a.num_free == 64 and a.num_held == 0 and a.num_tree == 0
+    a.check()
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 30])
+def test_release_trusted_and_alloc_agree_on_both_paths(n):
+    a = IdAllocator(40)
+    ids = a.alloc(n)
+    a.adopt(ids)
+    a.release_trusted(ids)
+    assert a.num_free == 40 and a.num_tree == 0
+    a.check()
+    again = a.alloc(n)  # the released ids come back first (a stack)
+    assert sorted(again.tolist()) == sorted(ids.tolist())
+    assert (a.status_of(again) == HELD).all()
+    a.check()
