@@ -15,9 +15,11 @@ every device around it. Heads are split over the ``tp`` axis:
   all-reduce per mixer and per MLP. Experts are split on the expert axis; the vocab is split for
   ``embed`` and ``lm_head``; norms, the router and per-head scalars of tiny size are replicated.
 
-The packed ``in_proj`` / ``qkv_proj`` column layouts (q | k | v | z | b | a) are not grouped per
-head, so a contiguous column split does not line up with heads; GSPMD reshards the projection
-output to the head-sharded pools (an all-to-all). A head-grouped column order is the follow-up.
+``in_proj``, ``conv_w`` and ``qkv_proj`` are group-major (per key / KV head, ``models/params.py``),
+so a contiguous column split hands each device whole head groups and the mixers need no reshard:
+the compiled TP extend step's mixers hold only their row-parallel all-reduce. The MLP
+``gate_up`` / ``shared_gate_up`` (gate | up) are still part-major: GSPMD moves one half between
+devices (collective-permutes) before the SwiGLU product.
 """
 
 from __future__ import annotations

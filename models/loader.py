@@ -2,10 +2,12 @@
 
 Reads ``config.json`` and ``model.safetensors`` (or a sharded ``model.safetensors.index.json``)
 and maps the tensors onto the layout of ``models/params.py``: linear weights transposed to
-``[in, out]``, Qwen3-Next's per-key-head packed ``in_proj_qkvz``/``in_proj_ba`` un-grouped into
-the Qwen3.5 order (q | k | v | z | b | a), attention q/k/v fused, experts stacked (from either
-per-expert tensors or transformers' fused ``gate_up_proj``/``down_proj``). A missing, unexpected
-or mis-shaped tensor is a ``ValueError`` naming it.
+``[in, out]``; ``in_proj``, ``conv_w`` and ``qkv_proj`` in its group-major order (Qwen3-Next's
+``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head already and stay so; Qwen3.5's
+separate ``in_proj_qkv/z/b/a``, HF's ``conv1d`` channels q | k | v and attention q/k/v are
+regrouped per key / KV head); experts stacked (from either per-expert tensors or transformers'
+fused ``gate_up_proj``/``down_proj``). A missing, unexpected or mis-shaped tensor is a
+``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -30,41 +32,55 @@ def _cat_t(*parts: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(p) for p in parts], axis=0).T
 
 
+def _grouped_t(groups: int, *parts: np.ndarray) -> np.ndarray:
+    """torch ``[out, in]`` pieces, each ``groups`` contiguous row blocks -> ``[in, sum(out)]``
+    with columns group-major: group 0 of every piece (in argument order), then group 1, ..."""
+    blocks = [np.asarray(p).reshape(groups, -1, np.shape(p)[-1]) for p in parts]
+    return np.concatenate(blocks, axis=1).reshape(-1, blocks[0].shape[-1]).T
+
+
+def gdn_conv_channel_order(cfg: ModelConfig) -> np.ndarray:
+    """Indices into HF's conv channels ``q | k | v`` giving the group-major order: per key head
+    ``j`` its ``q_j (Dk) | k_j (Dk) | v_j (r*Dv)``. ``[C]`` int."""
+    hk, dk, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_key_dim
+    rdv = cfg.linear_value_dim // hk
+    return np.concatenate([np.concatenate([np.arange(j * dk, (j + 1) * dk),
+                                           kd + np.arange(j * dk, (j + 1) * dk),
+                                           2 * kd + np.arange(j * rdv, (j + 1) * rdv)])
+                           for j in range(hk)])
+
+
 def _gdn(cfg: ModelConfig, src: TensorSource, pre: str) -> dict[str, np.ndarray]:
     h, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, kd, vd = (cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_key_dim,
-                      cfg.linear_value_dim)
-    r = hv // hk
-    if cfg.family == "qwen3_next":
-        qkvz = src.get(pre + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h))
-        qkvz = qkvz.reshape(hk, 2 * dk + 2 * r * dv, h)
-        q, k = qkvz[:, :dk], qkvz[:, dk:2 * dk]
-        v, z = qkvz[:, 2 * dk:2 * dk + r * dv], qkvz[:, 2 * dk + r * dv:]
-        ba = src.get(pre + "in_proj_ba.weight", (2 * hv, h)).reshape(hk, 2 * r, h)
-        b, a = ba[:, :r], ba[:, r:]
-        parts = [x.reshape(-1, h) for x in (q, k, v, z, b, a)]
+    kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
+    order = gdn_conv_channel_order(cfg)
+    if cfg.family == "qwen3_next":  # already grouped per key head: [q k v z]_j and [b a]_j
+        in_proj = _grouped_t(hk, src.get(pre + "in_proj_qkvz.weight", (2 * kd + 2 * vd, h)),
+                             src.get(pre + "in_proj_ba.weight", (2 * hv, h)))
     else:
-        parts = [src.get(pre + "in_proj_qkv.weight", (cfg.linear_conv_dim, h)),
-                 src.get(pre + "in_proj_z.weight", (vd, h)),
-                 src.get(pre + "in_proj_b.weight", (hv, h)),
-                 src.get(pre + "in_proj_a.weight", (hv, h))]
+        qkv = np.asarray(src.get(pre + "in_proj_qkv.weight", (cfg.linear_conv_dim, h)))[order]
+        in_proj = _grouped_t(hk, qkv, src.get(pre + "in_proj_z.weight", (vd, h)),
+                             src.get(pre + "in_proj_b.weight", (hv, h)),
+                             src.get(pre + "in_proj_a.weight", (hv, h)))
     conv = src.get(pre + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
     return {
-        "in_proj": _cat_t(*parts),
-        "conv_w": np.asarray(conv)[:, 0, :].T,
+        "in_proj": in_proj,
+        "conv_w": np.asarray(conv)[order, 0, :].T,
         "A_log": src.get(pre + "A_log", (hv,)),
         "dt_bias": src.get(pre + "dt_bias", (hv,)),
-        "norm": src.get(pre + "norm.weight", (dv,)),
+        "norm": src.get(pre + "norm.weight", (cfg.linear_value_head_dim,)),
         "out_proj": src.get(pre + "out_proj.weight", (h, vd)).T,
     }
 
 
 def _attn(cfg: ModelConfig, src: TensorSource, pre: str) -> dict[str, np.ndarray]:
+    """``qkv_proj`` group-major per KV head: its query heads' ``(q D | gate D)`` as HF's q_proj
+    packs them, then ``k_j``, then ``v_j``."""
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     return {
-        "qkv_proj": _cat_t(src.get(pre + "q_proj.weight", (hq * 2 * d, h)),
-                           src.get(pre + "k_proj.weight", (hkv * d, h)),
-                           src.get(pre + "v_proj.weight", (hkv * d, h))),
+        "qkv_proj": _grouped_t(hkv, src.get(pre + "q_proj.weight", (hq * 2 * d, h)),
+                               src.get(pre + "k_proj.weight", (hkv * d, h)),
+                               src.get(pre + "v_proj.weight", (hkv * d, h))),
         "q_norm": src.get(pre + "q_norm.weight", (d,)),
         "k_norm": src.get(pre + "k_norm.weight", (d,)),
         "o_proj": src.get(pre + "o_proj.weight", (h, hq * d)).T,

@@ -19,23 +19,35 @@ from models.layers import F32, apply_rope, gated_rms_norm, rms_norm, rope_cos_si
 from pallas_kernels import ops
 
 
+def _gdn_group_width(cfg: ModelConfig) -> int:
+    """Conv channels per key-head group: ``2*Dk + r*Dv`` with ``r = Hv/Hk``."""
+    r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    return 2 * cfg.linear_key_head_dim + r * cfg.linear_value_head_dim
+
+
 def _gdn_project(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array):
-    """x ``[T, H]`` -> (conv input ``[T, C]``, z ``[T, Hv, Dv]``, b ``[T, Hv]``, a ``[T, Hv]``)."""
-    c, vd, hv = cfg.linear_conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
-    proj = x @ p["in_proj"]
-    qkv = proj[:, :c]
-    z = proj[:, c:c + vd].reshape(-1, hv, cfg.linear_value_head_dim)
-    b = proj[:, c + vd:c + vd + hv]
-    a = proj[:, c + vd + hv:]
+    """x ``[T, H]`` -> (conv input ``[T, C]``, z ``[T, Hv, Dv]``, b ``[T, Hv]``, a ``[T, Hv]``).
+
+    ``in_proj`` is group-major (``models/params.py``): per key head ``[q | k | v | z | b | a]``.
+    The conv input keeps that order (per group ``[q | k | v]``); z, b, a come out per value head
+    in GQA order (``h = j*r + i``). Reshaping to ``[T, Hk, ...]`` keeps a tp split on Hk.
+    """
+    t, hk, hv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    r, dv, cw = hv // hk, cfg.linear_value_head_dim, _gdn_group_width(cfg)
+    proj = (x @ p["in_proj"]).reshape(t, hk, cw + r * dv + 2 * r)
+    qkv = proj[..., :cw].reshape(t, hk * cw)
+    z = proj[..., cw:cw + r * dv].reshape(t, hv, dv)
+    b = proj[..., cw + r * dv:cw + r * dv + r].reshape(t, hv)
+    a = proj[..., cw + r * dv + r:].reshape(t, hv)
     return qkv, z, b, a
 
 
 def _gdn_split(cfg: ModelConfig, y: jax.Array):
-    """Conv output ``[T, C]`` -> q, k ``[T, Hk, Dk]`` and v ``[T, Hv, Dv]``."""
-    kd = cfg.linear_key_dim
-    q = y[:, :kd].reshape(-1, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    k = y[:, kd:2 * kd].reshape(-1, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    v = y[:, 2 * kd:].reshape(-1, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    """Group-major conv output ``[T, C]`` -> q, k ``[T, Hk, Dk]`` and v ``[T, Hv, Dv]``."""
+    t, hk, dk = y.shape[0], cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    y = y.reshape(t, hk, _gdn_group_width(cfg))
+    q, k = y[..., :dk], y[..., dk:2 * dk]
+    v = y[..., 2 * dk:].reshape(t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     return q, k, v
 
 
@@ -82,11 +94,11 @@ def full_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, k_pa
     """
     t = x.shape[0]
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    proj = x @ p["qkv_proj"]
-    qg = proj[:, :hq * 2 * d].reshape(t, hq, 2 * d)
+    r = hq // hkv  # group-major qkv_proj: per KV head [r x (query D | gate D) | k D | v D]
+    proj = (x @ p["qkv_proj"]).reshape(t, hkv, (2 * r + 2) * d)
+    qg = proj[..., :2 * r * d].reshape(t, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
-    k = proj[:, hq * 2 * d:hq * 2 * d + hkv * d].reshape(t, hkv, d)
-    v = proj[:, hq * 2 * d + hkv * d:].reshape(t, hkv, d)
+    k, v = proj[..., 2 * r * d:(2 * r + 1) * d], proj[..., (2 * r + 1) * d:]
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)

@@ -5,16 +5,26 @@ weights are stored ``[in, out]`` (``y = x @ w``), i.e. transposed from torch's `
 
   embed ``[V, H]``, final_norm ``[H]``, lm_head ``[H, V]`` (a copy of ``embed.T`` when tied),
   layers[i]: input_norm ``[H]``, post_norm ``[H]``, and
-    linear_attention -> gdn: in_proj ``[H, C + Hv*Dv + 2*Hv]`` (columns q | k | v | z | b | a,
-      heads in value-head order, i.e. the Qwen3.5 layout; the loader un-groups Qwen3-Next's
-      packed ``in_proj_qkvz``/``in_proj_ba``), conv_w ``[K, C]``, A_log ``[Hv]``,
-      dt_bias ``[Hv]``, norm ``[Dv]`` (plain weight), out_proj ``[Hv*Dv, H]``;
-    full_attention -> attn: qkv_proj ``[H, Hq*2*D + 2*Hkv*D]`` (columns: q_proj as HF packs it,
-      query and gate interleaved per head, then k, then v), q_norm ``[D]``, k_norm ``[D]``,
+    linear_attention -> gdn: in_proj ``[H, C + Hv*Dv + 2*Hv]``, conv_w ``[K, C]``, A_log
+      ``[Hv]``, dt_bias ``[Hv]``, norm ``[Dv]`` (plain weight), out_proj ``[Hv*Dv, H]``;
+    full_attention -> attn: qkv_proj ``[H, Hq*2*D + 2*Hkv*D]``, q_norm ``[D]``, k_norm ``[D]``,
       o_proj ``[Hq*D, H]``;
     dense -> mlp: gate_up ``[H, 2*I]`` (gate | up), down ``[I, H]``;
     moe -> moe: router ``[H, E]``, gate_up ``[E, H, 2*Im]``, down ``[E, Im, H]``,
       shared_gate_up ``[H, 2*Is]``, shared_down ``[Is, H]``, shared_gate ``[H, 1]``.
+
+Group-major projections (independent of the tensor-parallel degree). With ``r = Hv/Hk``:
+
+  in_proj columns: ``Hk`` groups, group ``j`` = ``q_j (Dk) | k_j (Dk) | v_j (r*Dv) | z_j (r*Dv) |
+    b_j (r) | a_j (r)``; value head ``h = j*r + i`` is the ``i``-th of group ``j`` (GQA order).
+  conv channels (``conv_w``'s axis 1, the conv pool's channel axis, the conv input): ``Hk``
+    groups ``q_j | k_j | v_j`` (``C / Hk = 2*Dk + r*Dv`` each).
+  qkv_proj columns, ``r = Hq/Hkv``: ``Hkv`` groups, group ``j`` = its ``r`` query heads as HF's
+    ``q_proj`` packs them (per head ``query D | gate D``), then ``k_j (D)``, then ``v_j (D)``.
+
+Invariant: every group is a contiguous column block of equal width, so splitting these columns
+contiguously over ``tp`` devices (``tp`` divides Hk and Hkv) gives each device whole groups, and
+the mixers' reshapes to ``[T, groups, per_group]`` keep the split on the group axis (no reshard).
 """
 
 from __future__ import annotations

@@ -54,19 +54,25 @@ def test_fixture_loads_with_expected_layout(name):
     assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
 
 
-def test_qwen3_next_qkvz_is_ungrouped_per_key_head():
+def test_qwen3_next_in_proj_and_conv_are_grouped_per_key_head():
     cfg, params = load_checkpoint(FIXTURES / "qwen3_next", jnp.float32)
     raw = read_all(FIXTURES / "qwen3_next")
     qkvz = raw["model.layers.0.linear_attn.in_proj_qkvz.weight"]
-    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, 2
-    group = 2 * dk + 2 * r * dv
-    in_proj = np.asarray(params["layers"][0]["gdn"]["in_proj"])
-    kd = cfg.linear_key_dim
+    conv = raw["model.layers.0.linear_attn.conv1d.weight"][:, 0, :]  # HF channels q | k | v
+    dk, dv, r, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, 2, cfg.linear_key_dim
+    group = 2 * dk + 2 * r * dv  # HF qkvz rows per key head
+    col = group + 2 * r  # in_proj columns per key head: q k v z b a
+    cw = 2 * dk + r * dv  # conv channels per key head: q k v
+    gdn = params["layers"][0]["gdn"]
+    in_proj, conv_w = np.asarray(gdn["in_proj"]), np.asarray(gdn["conv_w"])
     # k of key head 1 and v of value head 3 (= key head 1, second value head of its group)
-    np.testing.assert_array_equal(in_proj[:, kd + dk:kd + 2 * dk].T,
+    np.testing.assert_array_equal(in_proj[:, col + dk:col + 2 * dk].T,
                                   qkvz[group + dk:group + 2 * dk])
-    v3 = in_proj[:, 2 * kd + 3 * dv:2 * kd + 4 * dv].T
+    v3 = in_proj[:, col + 2 * dk + dv:col + 2 * dk + 2 * dv].T
     np.testing.assert_array_equal(v3, qkvz[group + 2 * dk + dv:group + 2 * dk + 2 * dv])
+    np.testing.assert_array_equal(conv_w[:, cw + dk:cw + 2 * dk].T, conv[kd + dk:kd + 2 * dk])
+    np.testing.assert_array_equal(conv_w[:, cw + 2 * dk + dv:2 * cw].T,
+                                  conv[2 * kd + 3 * dv:2 * kd + 4 * dv])
 
 
 def test_missing_tensor_is_named(tmp_path):
