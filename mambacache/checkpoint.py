@@ -64,9 +64,12 @@ def save_params(out_dir: str | Path, model_cfg: Any, params: Any) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _save_tree(out / "params", {"params": params})
+    from models.params import PARAM_LAYOUT
+
     dtype = str(jax.tree.leaves(params)[0].dtype)
     (out / "model.json").write_text(json.dumps({"model": model_config_dict(model_cfg),
-                                                "dtype": dtype}, indent=1))
+                                                "dtype": dtype, "param_layout": PARAM_LAYOUT},
+                                               indent=1))
 
 
 def restore_params(out_dir: str | Path, mesh: Any = None, dtype: Any = None) -> tuple[Any, Any]:
@@ -74,12 +77,16 @@ def restore_params(out_dir: str | Path, mesh: Any = None, dtype: Any = None) -> 
     directly with its tensor-parallel sharding on ``mesh`` (``None``: the default device)."""
     from mambacache.parallel import param_shardings
     from models.config import ModelConfig
-    from models.params import param_shapes
+    from models.params import PARAM_LAYOUT, param_shapes
 
     out = Path(out_dir)
     if not (out / "model.json").is_file():
         raise ValueError(f"{str(out)!r} is not an Orbax model directory (no model.json)")
     info = json.loads((out / "model.json").read_text())
+    if info.get("param_layout") != PARAM_LAYOUT:
+        raise ValueError(f"{str(out)!r} holds params in layout {info.get('param_layout')!r}, this "
+                         f"version reads {PARAM_LAYOUT!r}: convert the checkpoint again "
+                         f"(convert_hf_to_orbax)")
     model_cfg = ModelConfig(**info["model"])
     dtype = jnp.dtype(dtype or info["dtype"])
     target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype),

@@ -17,9 +17,9 @@ every device around it. Heads are split over the ``tp`` axis:
 
 ``in_proj``, ``conv_w`` and ``qkv_proj`` are group-major (per key / KV head, ``models/params.py``),
 so a contiguous column split hands each device whole head groups and the mixers need no reshard:
-the compiled TP extend step's mixers hold only their row-parallel all-reduce. The MLP
-``gate_up`` / ``shared_gate_up`` (gate | up) are still part-major: GSPMD moves one half between
-devices (collective-permutes) before the SwiGLU product.
+the compiled TP extend step's mixers hold only their row-parallel all-reduce. The dense MLP and
+shared-expert ``gate_up`` are pair-interleaved (``models/layers.py: swiglu``) for the same
+reason: the layers need only their all-reduces.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))``; x ``[T, H]``, gate_up ``[H, 2I]`` (gate | up)."""
-    g, u = jnp.split(x @ gate_up, 2, axis=-1)
-    return (jax.nn.silu(g) * u) @ down
+    """``down(silu(gate(x)) * up(x))``; x ``[T, H]``, gate_up ``[H, 2I]`` pair-interleaved
+    (column ``2i`` is gate ``i``, ``2i + 1`` up ``i``: a contiguous column split over tensor
+    parallel devices gives each whole (gate, up) pairs), down ``[I, H]``."""
+    h = (x @ gate_up).reshape(*x.shape[:-1], -1, 2)
+    return (jax.nn.silu(h[..., 0]) * h[..., 1]) @ down

@@ -87,9 +87,13 @@ def _attn(cfg: ModelConfig, src: TensorSource, pre: str) -> dict[str, np.ndarray
     }
 
 
-def _swiglu(src: TensorSource, pre: str, h: int, i: int) -> tuple[np.ndarray, np.ndarray]:
-    gate_up = _cat_t(src.get(pre + "gate_proj.weight", (i, h)),
-                     src.get(pre + "up_proj.weight", (i, h)))
+def _swiglu(src: TensorSource, pre: str, h: int, i: int,
+            interleave: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``(gate_up [H, 2I], down [I, H])``; gate_up pair-interleaved (``layers.swiglu``) or, for
+    stacked experts (``interleave=False``), gate | up."""
+    gate = np.asarray(src.get(pre + "gate_proj.weight", (i, h)))
+    up = np.asarray(src.get(pre + "up_proj.weight", (i, h)))
+    gate_up = np.stack([gate, up], axis=1).reshape(2 * i, h).T if interleave else _cat_t(gate, up)
     return gate_up, src.get(pre + "down_proj.weight", (h, i)).T
 
 
@@ -98,7 +102,7 @@ def _experts(cfg: ModelConfig, src: TensorSource, pre: str) -> tuple[np.ndarray,
     if pre + "gate_up_proj" in src:  # transformers' fused in-memory layout
         gate_up = src.get(pre + "gate_up_proj", (e, 2 * i, h)).transpose(0, 2, 1)
         return gate_up, src.get(pre + "down_proj", (e, h, i)).transpose(0, 2, 1)
-    pairs = [_swiglu(src, f"{pre}{j}.", h, i) for j in range(e)]
+    pairs = [_swiglu(src, f"{pre}{j}.", h, i, interleave=False) for j in range(e)]
     return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
 
 

@@ -9,9 +9,11 @@ weights are stored ``[in, out]`` (``y = x @ w``), i.e. transposed from torch's `
       ``[Hv]``, dt_bias ``[Hv]``, norm ``[Dv]`` (plain weight), out_proj ``[Hv*Dv, H]``;
     full_attention -> attn: qkv_proj ``[H, Hq*2*D + 2*Hkv*D]``, q_norm ``[D]``, k_norm ``[D]``,
       o_proj ``[Hq*D, H]``;
-    dense -> mlp: gate_up ``[H, 2*I]`` (gate | up), down ``[I, H]``;
-    moe -> moe: router ``[H, E]``, gate_up ``[E, H, 2*Im]``, down ``[E, Im, H]``,
-      shared_gate_up ``[H, 2*Is]``, shared_down ``[Is, H]``, shared_gate ``[H, 1]``.
+    dense -> mlp: gate_up ``[H, 2*I]`` pair-interleaved (column 2i gate i, 2i+1 up i), down
+      ``[I, H]``;
+    moe -> moe: router ``[H, E]``, gate_up ``[E, H, 2*Im]`` (gate | up per expert), down
+      ``[E, Im, H]``, shared_gate_up ``[H, 2*Is]`` pair-interleaved, shared_down ``[Is, H]``,
+      shared_gate ``[H, 1]``.
 
 Group-major projections (independent of the tensor-parallel degree). With ``r = Hv/Hk``:
 
@@ -36,6 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+
+# Version of the column layouts documented above; saved with exported params (checkpoint.py).
+# group-major-v1: group-major in_proj / conv / qkv_proj, pair-interleaved dense gate_up.
+PARAM_LAYOUT = "group-major-v1"
 
 
 def gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

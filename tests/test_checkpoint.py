@@ -128,3 +128,10 @@ def test_hf_to_orbax_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="no model.json"):
         restore_params(tmp_path)
+    # params exported before the group-major layout (no param_layout) are refused, not misread
+    meta_path = tmp_path / "orbax" / "model.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["param_layout"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="layout None"):
+        restore_params(tmp_path / "orbax")

@@ -169,4 +169,7 @@ def test_mixers_need_no_reshard(mesh_run, tp):
     assert mixer == {"mixer/all-reduce": 4}, counts  # 4 layers; proves the regions resolve too
     layers = [k for k in counts if k.split("/")[0] in ("mixer", "mlp")]
     assert not [k for k in layers if k.split("/")[1] in ("all-gather", "all-to-all")], counts
+    # pair-interleaved dense gate_up / shared_gate_up: the MLPs need only their all-reduce too
+    # (with gate | up, TP 2 had 8 collective-permutes here)
+    assert {k for k in counts if k.startswith("mlp/")} <= {"mlp/all-reduce"}, counts
     assert mesh_run["1"]["collectives"] == {}, mesh_run["1"]["collectives"]
