@@ -6,6 +6,8 @@ partial RoPE, a sparse MoE with a sigmoid-gated shared expert on every layer.
 
 from __future__ import annotations
 
+import dataclasses
+
 from models.config import ModelConfig
 
 _PATTERN = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
@@ -43,6 +45,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny_qwen3_5_moe": ModelConfig(family="qwen3_5_moe", mlp_types=("moe",) * 4, **_MOE,
                                     **_COMMON),
 }
+# Head counts divisible by 4 (tensor parallel 2 and 4 on forced CPU devices: tests, scripts).
+PRESETS["tiny_qwen3_next_tp4"] = dataclasses.replace(
+    PRESETS["tiny_qwen3_next"], num_attention_heads=8, num_key_value_heads=4,
+    linear_num_key_heads=4, linear_num_value_heads=8)
 
 
 def get_preset(name: str) -> ModelConfig:

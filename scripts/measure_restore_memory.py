@@ -47,9 +47,8 @@ import dataclasses, sys
 from mambacache.checkpoint import save_params
 from models.params import init_params
 from models.presets import get_preset
-cfg = dataclasses.replace(get_preset("tiny_qwen3_next"), hidden_size=int(sys.argv[2]),
-                          vocab_size=int(sys.argv[3]), num_key_value_heads=4,
-                          linear_num_key_heads=4, linear_num_value_heads=8)
+cfg = dataclasses.replace(get_preset("tiny_qwen3_next_tp4"), hidden_size=int(sys.argv[2]),
+                          vocab_size=int(sys.argv[3]))
 save_params(sys.argv[1], cfg, init_params(cfg, seed=0))
 """
 

@@ -54,7 +54,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def test_presets_are_consistent():
-    assert set(PRESETS) == {"tiny_qwen3_next", "tiny_qwen3_5", "tiny_qwen3_5_moe"}
+    assert set(PRESETS) == {"tiny_qwen3_next", "tiny_qwen3_5", "tiny_qwen3_5_moe",
+                            "tiny_qwen3_next_tp4"}
     for name, cfg in PRESETS.items():
         assert get_preset(name) is cfg
         assert cfg.num_hidden_layers >= 4 and cfg.num_linear_layers == 3 * cfg.num_full_layers

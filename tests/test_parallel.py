@@ -21,7 +21,7 @@ from models.presets import get_preset
 ROOT = Path(__file__).resolve().parents[1]
 
 _WORKER = """
-import dataclasses, json, re, sys, tempfile
+import json, re, sys, tempfile
 import jax, numpy as np
 import mambacache as mc
 from mambacache.checkpoint import restore_params, save_params
@@ -31,8 +31,7 @@ from models.params import init_params
 from models.presets import get_preset
 
 assert len(jax.devices()) == 4, jax.devices()
-model_cfg = dataclasses.replace(get_preset("tiny_qwen3_next"), num_key_value_heads=4,
-                                linear_num_key_heads=4, linear_num_value_heads=8)
+model_cfg = get_preset("tiny_qwen3_next_tp4")
 params = init_params(model_cfg, seed=3)
 base = {"cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 16, "cache.page_size": 4,
         "scheduler.max_running_requests": 4, "scheduler.chunked_prefill_size": 32,

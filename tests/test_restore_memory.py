@@ -23,7 +23,7 @@ from mambacache.device_memory import DeviceMemoryTracker, live_device_bytes
 ROOT = Path(__file__).resolve().parents[1]
 
 _WORKER = """
-import dataclasses, json, tempfile
+import json, tempfile
 import jax
 import mambacache as mc
 from mambacache.checkpoint import save_params
@@ -34,8 +34,7 @@ from models.params import init_params
 from models.presets import get_preset
 
 assert len(jax.devices()) == 4, jax.devices()
-cfg = dataclasses.replace(get_preset("tiny_qwen3_next"), num_key_value_heads=4,
-                          linear_num_key_heads=4, linear_num_value_heads=8)
+cfg = get_preset("tiny_qwen3_next_tp4")
 params = init_params(cfg, seed=0)
 with tempfile.TemporaryDirectory() as d:
     save_params(d, cfg, params)
