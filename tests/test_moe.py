@@ -4,13 +4,8 @@ subprocess since XLA_FLAGS must be set before jax initialises)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +13,7 @@ import numpy as np
 import pytest
 
 from models.moe import moe_dense_reference, moe_grouped, route, router_weights
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import run_worker
 
 
 def make_moe(num_tokens: int, num_experts: int, hidden: int, inter: int, dtype=jnp.float32,
@@ -135,12 +129,7 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def tp_run():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _TP_WORKER], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(_TP_WORKER)
 
 
 def test_tp_grouped_runs_on_local_experts(tp_run):

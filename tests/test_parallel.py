@@ -7,18 +7,11 @@ devices); validation runs in process.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from mambacache.parallel import param_spec, validate_tensor_parallel
 from models.presets import get_preset
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import run_worker
 
 _WORKER = """
 import json, re, sys, tempfile
@@ -106,12 +99,7 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def mesh_run():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _WORKER], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(_WORKER)
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])

@@ -11,15 +11,9 @@ initialises); ``PALLAS_FAMILY`` is read at trace time, so each family gets its o
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import finish_worker, start_worker
 
 _WORKER = """
 import json, re, sys
@@ -130,20 +124,11 @@ _CASES = [("tpu", "2"), ("tpu", "4"), ("gpu", "2")]
 @pytest.fixture(scope="module")
 def runs() -> dict:
     """Both families' workers, started together (each is mostly single-threaded compiles)."""
-    procs = {}
-    for family, (tps, hlo_tps) in _RUNS.items():
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "JAX_PLATFORMS": "cpu", "PALLAS_FAMILY": family}
-        env.pop("PALLAS_INTERPRET", None)  # interpreted: CPU is neither family's backend
-        procs[family] = subprocess.Popen([sys.executable, "-c", _WORKER, tps, hlo_tps], cwd=ROOT,
-                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True)
-    out = {}
-    for family, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (family, stderr[-4000:])
-        out[family] = json.loads(stdout.strip().splitlines()[-1])
-    return out
+    # interpreted (PALLAS_INTERPRET unset): CPU is neither family's backend
+    procs = {family: start_worker(_WORKER, tps, hlo_tps, env={"PALLAS_FAMILY": family},
+                                  unset=("PALLAS_INTERPRET",))
+             for family, (tps, hlo_tps) in _RUNS.items()}
+    return {family: finish_worker(proc, family) for family, proc in procs.items()}
 
 
 @pytest.mark.parametrize(("family", "tp"), _CASES)

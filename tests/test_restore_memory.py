@@ -8,19 +8,12 @@ see a whole-model materialisation. The tracker itself is checked in process on o
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
 from mambacache.device_memory import DeviceMemoryTracker, live_device_bytes
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multidevice import run_worker
 
 _WORKER = """
 import json, tempfile
@@ -59,12 +52,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def restore_run():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _WORKER], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(_WORKER)
 
 
 def _peaks(rep):
