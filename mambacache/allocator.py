@@ -188,27 +188,23 @@ class IdAllocator:
         integrity check audits them."""
         n = len(ids)
         if n <= _SMALL:
-            status, stack, top = self._status_bytes, self._stack, self._top
+            status = self._status_bytes
             for i in ids.tolist():
                 status[i] = FREE
-                stack[top] = i
-                top += 1
-            self._top = top
         else:
             self._status.put(ids, FREE)
-            self._push(ids)
+        self._push(ids)
         self._num_tree -= n
 
     def _push(self, ids: np.ndarray) -> None:
         n, top = len(ids), self._top
-        if n <= _SMALL:
+        if n <= _SMALL:  # item assignment beats a numpy slice call for a few ids
             stack = self._stack
-            for i in ids.tolist() if type(ids) is np.ndarray else ids:
-                stack[top] = i
-                top += 1
+            for j, i in enumerate(ids.tolist() if type(ids) is np.ndarray else ids):
+                stack[top + j] = i
         else:
             self._stack[top:top + n] = ids
-        self._top = top + n if n > _SMALL else top
+        self._top = top + n
 
     def check(self) -> None:
         """Audit the free list against the status array; ``AssertionError`` on any mismatch."""
