@@ -31,7 +31,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-TP = "tp"
+from pallas_kernels.ops import TP_AXIS
+
+TP = TP_AXIS  # one name for the mesh axis, shared with the kernel ops
 
 # leaf name -> which axis is split over "tp" (None: replicated)
 _PARAM_AXIS = {

@@ -85,7 +85,7 @@ def _kernel(impl: str, name: str):
     return lambda *args, **kw: fn(*args, interpret=interpret, **kw)
 
 
-TP_AXIS = "tp"  # the mesh axis heads and channels are split over (``mambacache.parallel.TP``)
+TP_AXIS = "tp"  # the mesh axis heads and channels are split over (``mambacache.parallel`` too)
 _REP = P()
 _HEADS = P(None, TP_AXIS)            # [T, H, ...] / [T, C]: axis 1
 _POOL_HEADS = P(None, TP_AXIS)       # ssm_pool [N, Hv, Dk, Dv]
