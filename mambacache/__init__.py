@@ -9,15 +9,15 @@ from mambacache.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from mambacache.request import RequestOutput
-from mambacache.sampling_params import SamplingParams
+from mambacache.engine.request import RequestOutput
+from mambacache.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
     # The engine pulls in JAX and the model; import it lazily so that the host-only pieces
     # (config, radix cache, simulator) stay importable without touching a device.
     if name == "Engine":
-        from mambacache.engine import Engine
+        from mambacache.engine.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'mambacache' has no attribute {name!r}")

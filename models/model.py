@@ -5,9 +5,9 @@ Jittable with the pools donated::
     step = jax.jit(partial(forward, cfg=cfg, kernels="auto", decode=False), donate_argnums=(1,))
     pools, logits = step(params, pools, batch)
 
-``pools`` is duck-typed ``mambacache.pools.PoolState`` (tuples ``k_pages``/``v_pages`` per full
+``pools`` is duck-typed ``mambacache.engine.pools.PoolState`` (tuples ``k_pages``/``v_pages`` per full
 layer, ``conv``/``ssm`` per linear layer, in layer order; updated with ``pools.replace``) and
-``batch`` a ``mambacache.batch.ForwardBatch``. This module does not import ``mambacache``.
+``batch`` a ``mambacache.engine.batch.ForwardBatch``. This module does not import ``mambacache``.
 ``mesh`` (static; tensor parallel): the ``jax.sharding.Mesh`` the params and pools are sharded
 over, or None for one device; the kernel ops and the routed experts of the MoE then run per
 device inside ``shard_map``.

@@ -1,6 +1,6 @@
 """Per-device peak memory of restoring an Orbax model onto a TP mesh, vs restoring it whole first.
 
-Each (TP, mode) runs in a fresh subprocess: ``mambacache.device_memory.measure_restore`` reports
+Each (TP, mode) runs in a fresh subprocess: ``mambacache.parallel.device_memory.measure_restore`` reports
 each device's peak of live jax buffers (sampled at every device-array creation point) and,
 on GPU/TPU, the allocator's ``peak_bytes_in_use``; the process's peak RSS is printed beside it
 (on CPU all forced devices and Orbax's host staging buffers share that one process).
@@ -26,7 +26,7 @@ import tempfile
 WORKER = r"""
 import json, resource, sys
 import jax
-from mambacache.device_memory import measure_restore
+from mambacache.parallel.device_memory import measure_restore
 
 def rss_mib():
     with open("/proc/self/status") as f:
@@ -44,7 +44,7 @@ print(json.dumps(rep))
 
 SAVE = r"""
 import dataclasses, sys
-from mambacache.checkpoint import save_params
+from mambacache.parallel.checkpoint import save_params
 from models.params import init_params
 from models.presets import get_preset
 cfg = dataclasses.replace(get_preset("tiny_qwen3_next_tp4"), hidden_size=int(sys.argv[2]),

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 import mambacache as mc
-from mambacache.engine import Engine, load_model
+from mambacache.engine.engine import Engine, load_model
 
 BASE = {"cache.num_kv_tokens": 4000, "cache.num_mamba_slots": 32,
         "scheduler.max_running_requests": 8, "scheduler.chunked_prefill_size": 64,

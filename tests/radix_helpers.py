@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mambacache.snapshot_plan import (
+from mambacache.cache.snapshot_plan import (
     assign_snapshot_slots,
     end_snapshot_is_running_state,
     end_snapshot_position,

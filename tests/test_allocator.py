@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mambacache.allocator import FREE, HELD, TREE, IdAllocator
+from mambacache.cache.allocator import FREE, HELD, TREE, IdAllocator
 
 
 def test_ids_start_at_one_and_exhaust_to_none():

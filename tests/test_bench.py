@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mambacache.bench import load_setup, main
-from mambacache.bench_runner import BenchSection, summarize
-from mambacache.workloads import (
+from mambacache.bench.cli import load_setup, main
+from mambacache.bench.runner import BenchSection, summarize
+from mambacache.bench.workloads import (
     Branching,
     GeneratedSharedPrefix,
     IdealHits,
@@ -150,7 +150,7 @@ def test_presets_load():
 
 
 def test_summarize_tpot():
-    from mambacache.bench_runner import Finished
+    from mambacache.bench.runner import Finished
 
     stats = summarize([Finished(10, 5, 0, 0.1, 0.5, None), Finished(10, 1, 0, 0.2, 0.2, None),
                        Finished(10, 3, 0, 0.0, 0.0, "boom")], duration_s=2.0)
@@ -189,7 +189,7 @@ def test_main_end_to_end_identical(tmp_path):
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
     import sys
 
-    from mambacache.bench_report import require_matplotlib
+    from mambacache.bench.report import require_matplotlib
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
     with pytest.raises(RuntimeError, match="pip install"):

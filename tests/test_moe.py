@@ -106,7 +106,7 @@ _TP_WORKER = """
 import json, jax, jax.numpy as jnp, numpy as np
 from functools import partial
 from jax.sharding import NamedSharding, PartitionSpec as P
-from mambacache.parallel import make_mesh
+from mambacache.parallel.mesh import make_mesh
 from tests.test_moe import make_moe
 from models.moe import moe_dense_reference, moe_grouped
 assert len(jax.devices()) == 4, jax.devices()

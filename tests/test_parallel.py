@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from mambacache.parallel import param_spec, validate_tensor_parallel
+from mambacache.parallel.mesh import param_spec, validate_tensor_parallel
 from models.presets import get_preset
 from tests.multidevice import run_worker
 
@@ -17,9 +17,9 @@ _WORKER = """
 import json, re, sys, tempfile
 import jax, numpy as np
 import mambacache as mc
-from mambacache.checkpoint import restore_params, save_params
-from mambacache.engine import Engine
-from mambacache.parallel import make_mesh, per_device_bytes
+from mambacache.parallel.checkpoint import restore_params, save_params
+from mambacache.engine.engine import Engine
+from mambacache.parallel.mesh import make_mesh, per_device_bytes
 from models.params import init_params
 from models.presets import get_preset
 

@@ -19,7 +19,7 @@ _WORKER = """
 import json, re, sys
 import jax, numpy as np
 import mambacache as mc
-from mambacache.engine import Engine
+from mambacache.engine.engine import Engine
 from models.params import init_params
 from models.presets import get_preset
 
@@ -73,7 +73,7 @@ def inspect_programs(seen, fns, pools):
 def conv_bias_on_mesh():
     # the model's conv has no bias: check the op's bias path (split on its channel axis) here,
     # on a TP-2 mesh against the same op on one device
-    from mambacache.parallel import make_mesh
+    from mambacache.parallel.mesh import make_mesh
     from pallas_kernels import ops
     r = np.random.default_rng(1)
     x, w = r.standard_normal((12, 16), np.float32), r.standard_normal((4, 16), np.float32)

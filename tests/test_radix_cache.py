@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from radix_helpers import finish, serve, start
 
-from mambacache.disabled_cache import DisabledCache
-from mambacache.radix_cache import MambaRadixCache, make_cache
+from mambacache.cache.disabled import DisabledCache
+from mambacache.cache.radix import MambaRadixCache, make_cache
 
 
 def arr(*xs):

@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mambacache.radix_cache import make_cache
+from mambacache.cache.radix import make_cache
 
 # sequences share prefixes often: a prefix of one of a few bases, then a short random tail
 BASES = [(0, 1, 2, 0, 1, 2, 0, 1, 2, 0), (0, 1, 2, 2, 1, 0, 0, 0, 1, 1), (1, 1, 1, 1, 2, 2, 2, 2)]

@@ -1,4 +1,4 @@
-"""Per-device peak memory of an Orbax restore onto a mesh (``mambacache.device_memory``).
+"""Per-device peak memory of an Orbax restore onto a mesh (``mambacache.parallel.device_memory``).
 
 The mesh check runs in a subprocess with 4 forced CPU devices (XLA_FLAGS must be set before jax
 initialises): restoring onto the TP-4 mesh peaks well under the model's bytes on every device,
@@ -12,17 +12,17 @@ import jax
 import numpy as np
 import pytest
 
-from mambacache.device_memory import DeviceMemoryTracker, live_device_bytes
+from mambacache.parallel.device_memory import DeviceMemoryTracker, live_device_bytes
 from tests.multidevice import run_worker
 
 _WORKER = """
 import json, tempfile
 import jax
 import mambacache as mc
-from mambacache.checkpoint import save_params
-from mambacache.device_memory import DeviceMemoryTracker, measure_restore
-from mambacache.engine import Engine
-from mambacache.parallel import per_device_bytes
+from mambacache.parallel.checkpoint import save_params
+from mambacache.parallel.device_memory import DeviceMemoryTracker, measure_restore
+from mambacache.engine.engine import Engine
+from mambacache.parallel.mesh import per_device_bytes
 from models.params import init_params
 from models.presets import get_preset
 

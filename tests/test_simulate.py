@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mambacache.config import CacheConfig
-from mambacache.simulate import (
+from mambacache.bench.simulate import (
     identical_prompt_trace,
     load_trace,
     main,
@@ -79,6 +79,6 @@ def test_host_modules_import_no_jax():
     import subprocess
     import sys
 
-    code = ("import sys, mambacache.simulate, mambacache.radix_cache, mambacache.snapshot_plan, "
-            "mambacache.allocator, mambacache.disabled_cache; assert 'jax' not in sys.modules")
+    code = ("import sys, mambacache.bench.simulate, mambacache.cache.radix, mambacache.cache.snapshot_plan, "
+            "mambacache.cache.allocator, mambacache.cache.disabled; assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mambacache.radix_cache import make_cache
-from mambacache.snapshot_plan import (
+from mambacache.cache.radix import make_cache
+from mambacache.cache.snapshot_plan import (
     assign_snapshot_slots,
     end_snapshot_is_running_state,
     end_snapshot_position,

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from mambacache.batch import ForwardBatch, SeqSpec, build_forward_batch
-from mambacache.pools import PoolState
-from mambacache.sampling import SamplingBatch, sample
-from mambacache.sampling_params import SamplingParams
+from mambacache.engine.batch import ForwardBatch, SeqSpec, build_forward_batch
+from mambacache.engine.pools import PoolState
+from mambacache.engine.sampling import SamplingBatch, sample
+from mambacache.engine.sampling_params import SamplingParams
 from models.model import forward as model_forward
 from pallas_kernels import ops
 
@@ -60,7 +60,7 @@ def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str):
 
 def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
                         mesh: Any):
-    """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel``): params come
+    """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel.mesh``): params come
     placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps, tokens and
     logprobs come back with ``out_sh`` (replicated). The model runs every kernel op per device
     in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
@@ -92,10 +92,10 @@ class ModelRunner:
         self._fns = {d: jitted_step(model_cfg, kernels, d) for d in (False, True)}
         self.program_keys: set[tuple] = set()
 
-    # [parallel] tensor parallel: set by ``mambacache.parallel.shard_engine``
+    # [parallel] tensor parallel: set by ``mambacache.parallel.mesh.shard_engine``
     def use_shardings(self, mesh: Any, pool_sh: Any) -> None:
         """Compile the step for ``mesh``, pools placed with ``pool_sh`` (params: as placed)."""
-        from mambacache.parallel import replicated
+        from mambacache.parallel.mesh import replicated
 
         self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
                                             replicated(mesh), mesh) for d in (False, True)}

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.bench_report import format_table, ratios, write_json, write_plot
-from mambacache.bench_runner import BenchSection, run_pass
+from mambacache.bench.report import format_table, ratios, write_json, write_plot
+from mambacache.bench.runner import BenchSection, run_pass
 from mambacache.config import (
     EngineConfig,
     apply_overrides,
@@ -32,7 +32,7 @@ from mambacache.config import (
     parse_set_args,
     read_toml,
 )
-from mambacache.workloads import workload_from_dict
+from mambacache.bench.workloads import workload_from_dict
 
 MODES = {"cache_on": True, "cache_off": False}
 
@@ -72,7 +72,7 @@ def _median_dict(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_bench(setup: BenchSetup, *, progress: bool = True) -> dict[str, Any]:
     """Warm up, then time ``repeats`` alternating on/off pairs; the JSON-ready result."""
-    from mambacache.engine import Engine, load_model
+    from mambacache.engine.engine import Engine, load_model
 
     t = time.perf_counter()
     model = load_model(setup.engine)
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     overrides = parse_set_args(args.set)
     setup = load_setup(args.config, overrides)
     if args.plot:
-        from mambacache.bench_report import require_matplotlib
+        from mambacache.bench.report import require_matplotlib
 
         require_matplotlib()  # fail before the run, not after it
     progress = setup.bench.progress and not args.quiet
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _kind(workload: Any) -> str:
-    from mambacache.workloads import WORKLOADS
+    from mambacache.bench.workloads import WORKLOADS
 
     return next(k for k, cls in WORKLOADS.items() if isinstance(workload, cls))
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mambacache.sampling_params import SamplingParams
+from mambacache.engine.sampling_params import SamplingParams
 
 
 @jax.tree_util.register_dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.allocator import TREE
+from mambacache.cache.allocator import TREE
 
 
 def _fail(msg: str) -> None:

@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.cache_base import CACHE_CLASSES, CacheBase, register_cache
-from mambacache.eviction import TreeEviction, make_policy
-from mambacache.radix_insert import TreeInsert
-from mambacache.radix_integrity import check_tree
-from mambacache.radix_node import MatchResult, Node, as_tokens, make_root
+from mambacache.cache.base import CACHE_CLASSES, CacheBase, register_cache
+from mambacache.cache.eviction import TreeEviction, make_policy
+from mambacache.cache.insert import TreeInsert
+from mambacache.cache.integrity import check_tree
+from mambacache.cache.node import MatchResult, Node, as_tokens, make_root
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -170,7 +170,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
 def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page_size: int = 1,
                eviction: str = "lru", **policy_kwargs: Any) -> CacheBase:
     """Build the cache registered for ``enable`` (``True``: radix, ``False``: disabled)."""
-    import mambacache.disabled_cache  # noqa: F401  (registers the disabled cache)
+    import mambacache.cache.disabled  # noqa: F401  (registers the disabled cache)
 
     if enable not in CACHE_CLASSES:
         raise ValueError(f"no cache registered for enable={enable!r}; have {list(CACHE_CLASSES)}")

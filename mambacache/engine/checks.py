@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from mambacache.config import EngineConfig
-from mambacache.request import Status
-from mambacache.sampling_params import SamplingParams
+from mambacache.engine.request import Status
+from mambacache.engine.sampling_params import SamplingParams
 
 
 def validate_request(prompt: Sequence[int] | np.ndarray, params: SamplingParams,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.sampling_params import SamplingParams
+from mambacache.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

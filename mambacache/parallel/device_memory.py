@@ -160,8 +160,8 @@ def measure_restore(out_dir: str, tp: int, mode: str) -> dict[str, Any]:
     ``peak_over_model`` (live-buffer peak / model bytes). Run it first thing in a fresh process
     so that the allocator peak (GPU/TPU) is not an older one.
     """
-    from mambacache.checkpoint import restore_params
-    from mambacache.parallel import make_mesh, param_shardings
+    from mambacache.parallel.checkpoint import restore_params
+    from mambacache.parallel.mesh import make_mesh, param_shardings
 
     if mode not in ("sharded", "naive"):
         raise ValueError(f"mode must be 'sharded' or 'naive', got {mode!r}")

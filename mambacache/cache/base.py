@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.allocator import IdAllocator
+from mambacache.cache.allocator import IdAllocator
 
 CACHE_CLASSES: dict[bool, type[CacheBase]] = {}
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.radix_node import Node
+from mambacache.cache.node import Node
 
 
 def _path_tokens(node: Node) -> np.ndarray:

@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mambacache.config import EngineConfig
-from mambacache.engine_checks import check_engine_integrity, validate_request
-from mambacache.metrics import EngineMetrics
-from mambacache.model_runner import ModelRunner, to_numpy
-from mambacache.pools import PoolState
-from mambacache.radix_cache import make_cache
-from mambacache.request import Request, RequestOutput, Status
-from mambacache.sampling_params import SamplingParams
-from mambacache.scheduler import ScheduledSeq, Scheduler
+from mambacache.engine.checks import check_engine_integrity, validate_request
+from mambacache.engine.metrics import EngineMetrics
+from mambacache.engine.runner import ModelRunner, to_numpy
+from mambacache.engine.pools import PoolState
+from mambacache.cache.radix import make_cache
+from mambacache.engine.request import Request, RequestOutput, Status
+from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.scheduler import ScheduledSeq, Scheduler
 
 
 def model_dtype(cfg: EngineConfig) -> Any:
@@ -44,8 +44,8 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
     dtype = model_dtype(cfg)
     if cfg.model.path is not None:
         if (Path(cfg.model.path) / "model.json").is_file():
-            from mambacache.checkpoint import restore_params
-            from mambacache.parallel import make_mesh
+            from mambacache.parallel.checkpoint import restore_params
+            from mambacache.parallel.mesh import make_mesh
 
             tp = cfg.parallel.tensor_parallel
             return restore_params(cfg.model.path, make_mesh(tp) if tp > 1 else None, dtype)
@@ -66,7 +66,7 @@ class Engine:
         self.model_cfg, params = model if model is not None else load_model(cfg)
         self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
         if cfg.parallel.tensor_parallel > 1:
-            from mambacache.parallel import make_mesh, validate_tensor_parallel
+            from mambacache.parallel.mesh import make_mesh, validate_tensor_parallel
 
             validate_tensor_parallel(self.model_cfg, cfg.parallel.tensor_parallel)
             self.mesh = make_mesh(cfg.parallel.tensor_parallel)
@@ -77,7 +77,7 @@ class Engine:
                                   page_size=cfg.cache.page_size,
                                   max_seqs=cfg.scheduler.max_running_requests)
         if self.mesh is not None:
-            from mambacache.parallel import shard_engine
+            from mambacache.parallel.mesh import shard_engine
 
             shard_engine(self)
         self.scheduler = Scheduler(cfg, self._new_cache())
@@ -89,7 +89,7 @@ class Engine:
         """Pools are created already sharded over the mesh (no whole pool on one device)."""
         if self.mesh is None:
             return None
-        from mambacache.parallel import pool_field_sharding
+        from mambacache.parallel.mesh import pool_field_sharding
 
         return pool_field_sharding(self.mesh)
 
@@ -232,14 +232,14 @@ class Engine:
     # ---- [parallel] warm restarts: mambacache/checkpoint.py -------------------------------------
     def save(self, path: str) -> None:
         """Save the whole cache (tree + the pool rows it owns) to directory ``path``; idle only."""
-        from mambacache.checkpoint import save_cache
+        from mambacache.parallel.checkpoint import save_cache
 
         save_cache(self, path)
 
     def restore(self, path: str) -> None:
         """Load a cache saved by ``save`` into this idle engine; ``ValueError`` if the model or
         the cache layout differ."""
-        from mambacache.checkpoint import restore_cache
+        from mambacache.parallel.checkpoint import restore_cache
 
         restore_cache(self, path)
 

@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
-from mambacache.cache_state import dump_tree, load_tree
+from mambacache.cache.state import dump_tree, load_tree
 
 FORMAT_VERSION = 1
 POOL_FIELDS = ("k_pages", "v_pages", "conv", "ssm")
@@ -75,7 +75,7 @@ def save_params(out_dir: str | Path, model_cfg: Any, params: Any) -> None:
 def restore_params(out_dir: str | Path, mesh: Any = None, dtype: Any = None) -> tuple[Any, Any]:
     """``(model_cfg, params)`` from ``convert_hf_to_orbax``'s ``out_dir``, each leaf restored
     directly with its tensor-parallel sharding on ``mesh`` (``None``: the default device)."""
-    from mambacache.parallel import param_shardings
+    from mambacache.parallel.mesh import param_shardings
     from models.config import ModelConfig
     from models.params import PARAM_LAYOUT, param_shapes
 

@@ -18,10 +18,10 @@ import dataclasses
 
 import numpy as np
 
-from mambacache.batch import SeqSpec
+from mambacache.engine.batch import SeqSpec
 from mambacache.config import EngineConfig
-from mambacache.request import Request, Status
-from mambacache.snapshot_plan import assign_snapshot_slots, plan_snapshots
+from mambacache.engine.request import Request, Status
+from mambacache.cache.snapshot_plan import assign_snapshot_slots, plan_snapshots
 
 
 @dataclasses.dataclass

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.cache_base import CacheBase, register_cache
-from mambacache.radix_node import InsertResult, MatchResult, make_root
+from mambacache.cache.base import CacheBase, register_cache
+from mambacache.cache.node import InsertResult, MatchResult, make_root
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 

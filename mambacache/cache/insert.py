@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.radix_node import InsertResult, Node, as_tokens, make_root
+from mambacache.cache.node import InsertResult, Node, as_tokens, make_root
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _INT_TYPES = (int, np.integer)

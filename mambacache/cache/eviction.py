@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mambacache.radix_node import Node
+    from mambacache.cache.node import Node
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 

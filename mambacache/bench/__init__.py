@@ -1,0 +1,3 @@
+"""Tools around the engine: workloads, one timed pass (``runner``), the report, the benchmark CLI
+(``python -m mambacache.bench``, in ``cli``) and the trace simulator (``simulate``). The engine
+never imports this package."""

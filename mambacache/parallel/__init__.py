@@ -1,0 +1,3 @@
+"""Tensor parallelism and persistence: the device mesh and shardings (``mesh``), Orbax
+checkpoints of params and of the cache (``checkpoint``), per-device memory tracking
+(``device_memory``)."""
