@@ -126,3 +126,9 @@ def extend_targets(pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offse
     tstart, trow, tslot = chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot,
                                         chunk_size, num_chunks)
     return pool, tstart, trow, tslot
+
+
+def bias_row(bias: jax.Array | None, channels: int) -> jax.Array:
+    """Conv bias ``[C]`` (None: zeros) as an f32 row ``[1, C]`` for the kernels."""
+    return (jnp.zeros((1, channels), jnp.float32) if bias is None
+            else bias.reshape(1, channels).astype(jnp.float32))

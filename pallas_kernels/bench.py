@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import causal_conv1d as conv
-from pallas_kernels import gated_delta_rule as gdr
-from pallas_kernels import paged_attention as attn
 from pallas_kernels._common import interpret_default
 from pallas_kernels.ops import FAMILIES, kernel_family
+from pallas_kernels.reference import causal_conv1d as conv
+from pallas_kernels.reference import gated_delta_rule as gdr
+from pallas_kernels.reference import paged_attention as attn
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
 ROOFLINES = {  # device_kind substring -> (bytes/s, bf16 FLOP/s)

@@ -2,15 +2,16 @@
 
 "pallas" runs a Pallas kernel of one of two families with the same signatures:
 
-* ``tpu``: Mosaic kernels (``pallas_kernels/*.py``: scalar prefetch, DMAs);
+* ``tpu``: Mosaic kernels (``pallas_kernels/tpu/*.py``: scalar prefetch, DMAs);
 * ``gpu``: Pallas-Triton kernels (``pallas_kernels/gpu/*.py``).
 
 ``kernel_family()`` picks ``gpu`` on a GPU backend and ``tpu`` otherwise; ``PALLAS_FAMILY=gpu|tpu``
 overrides it (e.g. to run the GPU kernels interpreted on CPU). A family runs compiled on its own
 backend and interpreted elsewhere; ``PALLAS_INTERPRET=0|1`` overrides that
-(``_common.interpret_default``). "reference" runs the plain-jnp form beside each kernel. Shapes,
-padding conventions and the math are in ``docs/kernels.md`` and in each kernel module. All pools
-are returned updated (donate them in the caller's jit).
+(``_common.interpret_default``). "reference" runs the plain-jnp forms of
+``pallas_kernels/reference/``. Shapes, padding conventions and the math are in
+``docs/kernels.md`` and in each kernel module. All pools are returned updated (donate them in
+the caller's jit).
 
 Tensor parallel: given a ``mesh`` (a ``jax.sharding.Mesh`` with a ``"tp"`` axis; None = one
 device), each op runs its kernel or reference inside ``jax.shard_map`` over ``"tp"``, head- or
@@ -30,15 +31,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import causal_conv1d as _conv
-from pallas_kernels import gated_delta_rule as _gdr
-from pallas_kernels import paged_attention as _attn
 from pallas_kernels._common import interpret_default
-from pallas_kernels.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
 from pallas_kernels.gpu import causal_conv1d as _gpu_conv
 from pallas_kernels.gpu import gated_delta_rule as _gpu_gdr
 from pallas_kernels.gpu import paged_attention as _gpu_attn
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode as _gpu_gdr_decode
+from pallas_kernels.reference import causal_conv1d as _conv_ref
+from pallas_kernels.reference import gated_delta_rule as _gdr_ref
+from pallas_kernels.reference import paged_attention as _attn_ref
+from pallas_kernels.tpu import causal_conv1d as _conv
+from pallas_kernels.tpu import gated_delta_rule as _gdr
+from pallas_kernels.tpu import paged_attention as _attn
+from pallas_kernels.tpu.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
 
 IMPLS = ("pallas", "reference")
 FAMILIES = {
@@ -117,7 +121,7 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     key heads are the GQA groups of its value heads)."""
     args = _arrays((q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    fn = _kernel(impl, "gdr_extend") or _gdr.gated_delta_rule_extend_reference
+    fn = _kernel(impl, "gdr_extend") or _gdr_ref.gated_delta_rule_extend_reference
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 6
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
@@ -127,7 +131,7 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
     """q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``. Returns ``(o, ssm_pool)``.
     With ``mesh``: split as in ``gated_delta_rule_extend``."""
     args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
-    fn = _kernel(impl, "gdr_decode") or _gdr.gated_delta_rule_decode_reference
+    fn = _kernel(impl, "gdr_decode") or _gdr_ref.gated_delta_rule_decode_reference
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 2
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
@@ -140,7 +144,7 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
     and the pool split over "tp" (a depthwise conv: any contiguous channel split is exact)."""
     args = _arrays((x, weight, conv_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    fn = _kernel(impl, "conv_extend") or _conv.causal_conv1d_extend_reference
+    fn = _kernel(impl, "conv_extend") or _conv_ref.causal_conv1d_extend_reference
     specs = (_HEADS, _HEADS, _CONV_POOL) + (_REP,) * 6
     return _with_bias(fn, bias, mesh, specs, (_HEADS, _CONV_POOL))(*args)
 
@@ -150,7 +154,7 @@ def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *, i
     """x ``[B, C]``, one token per sequence. Returns ``(y [B, C], conv_pool)``. With ``mesh``:
     split as in ``causal_conv1d_extend``."""
     args = _arrays((x, weight, conv_pool, read_slot, write_slot))
-    fn = _kernel(impl, "conv_decode") or _conv.causal_conv1d_decode_reference
+    fn = _kernel(impl, "conv_decode") or _conv_ref.causal_conv1d_decode_reference
     specs = (_HEADS, _HEADS, _CONV_POOL, _REP, _REP)
     return _with_bias(fn, bias, mesh, specs, (_HEADS, _CONV_POOL))(*args)
 
@@ -168,7 +172,7 @@ def _with_bias(fn, bias, mesh: Mesh | None, specs: tuple, out_specs):
 def write_kv(k_pages, v_pages, k, v, out_cache_loc):
     """k_pages, v_pages ``[N, page_size, Hkv, D]``; k, v ``[T, Hkv, D]``; token i goes to page
     ``out_cache_loc[i] // page_size``, row ``out_cache_loc[i] % page_size``."""
-    return _attn.write_kv(k_pages, v_pages, k, v, out_cache_loc)
+    return _attn_ref.write_kv(k_pages, v_pages, k, v, out_cache_loc)
 
 
 def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
@@ -177,7 +181,7 @@ def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, sc
     With ``mesh``: query heads of q and the output, KV heads of the pages split over "tp"
     (tp divides Hkv, so each device's query heads are the GQA groups of its KV heads)."""
     args = _arrays((q, k_pages, v_pages, cu_seqlens, seq_lens, page_table))
-    kernel = _kernel(impl, "paged_attention") or _attn.paged_attention_reference
+    kernel = _kernel(impl, "paged_attention") or _attn_ref.paged_attention_reference
 
     def fn(*a):
         return kernel(*a, scale=scale)

@@ -4,7 +4,7 @@
 # "reference", the lowering tests, and the kernel-vs-reference benchmark at production sizes.
 #
 #   GPU: the Pallas-Triton kernels (pallas_kernels/gpu/, tests/test_kernels_gpu_*.py).
-#   TPU: the Mosaic kernels (pallas_kernels/*.py, tests/test_kernels_{gdr,conv,attention}.py).
+#   TPU: the Mosaic kernels (pallas_kernels/tpu/, tests/test_kernels_{gdr,conv,attention}.py).
 # Usage: scripts/gpu_check.sh  (PYTHON=... to pick the interpreter). Exit status 1 if any fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."

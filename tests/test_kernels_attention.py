@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ops
-from pallas_kernels import paged_attention as attn
 from pallas_kernels._common import interpret_default
+from pallas_kernels.reference import paged_attention as attn_ref
 from pallas_kernels.testing import paged_attention_case
+from pallas_kernels.tpu import paged_attention as attn
 
 INTERPRET = interpret_default()
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -33,7 +34,7 @@ def _case(rng, ext, prefix, page_size, hq, hkv, d, dtype, pad_tokens=2):
 def test_paged_attention_kernel_matches_reference(ext, prefix, page_size, hq, hkv, d, dtype):
     rng = np.random.default_rng(page_size)
     args = _case(rng, ext, prefix, page_size, hq, hkv, d, dtype)
-    o_ref = attn.paged_attention_reference(*args, scale=d ** -0.5)
+    o_ref = attn_ref.paged_attention_reference(*args, scale=d ** -0.5)
     o = attn.paged_attention(*args, scale=d ** -0.5, interpret=INTERPRET)
     assert o.dtype == jnp.dtype(dtype)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),

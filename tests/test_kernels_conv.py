@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import causal_conv1d as conv
 from pallas_kernels import ops
 from pallas_kernels._common import interpret_default
+from pallas_kernels.reference import causal_conv1d as conv_ref
 from pallas_kernels.testing import ragged_case, slot_args
+from pallas_kernels.tpu import causal_conv1d as conv
 
 INTERPRET = interpret_default()
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -41,7 +42,7 @@ def test_conv_extend_kernel_matches_reference(kw, channels, dtype, use_bias, len
     case = ragged_case(rng, lens, num_tokens=sum(lens) + 3, num_seqs=b, snapshots=snaps)
     x, w, bias, pool = _inputs(rng, case, kw, channels, dtype, use_bias)
     slots = [jnp.asarray(a) for a in slot_args(case)]
-    y_ref, pool_ref = conv.causal_conv1d_extend_reference(x, w, bias, jnp.asarray(pool, dtype),
+    y_ref, pool_ref = conv_ref.causal_conv1d_extend_reference(x, w, bias, jnp.asarray(pool, dtype),
                                                          *slots)
     y, new_pool = conv.causal_conv1d_extend(x, w, bias, jnp.asarray(pool, dtype), *slots,
                                             chunk_size=8, interpret=INTERPRET)
@@ -59,7 +60,7 @@ def test_conv_decode_kernel_matches_reference(kw, dtype):
     x, w, bias, pool = _inputs(rng, case, kw, 16, dtype, True)
     args = (x, w, bias)
     slots = (jnp.asarray(case.read_slot), jnp.asarray(case.write_slot))
-    y_ref, pool_ref = conv.causal_conv1d_decode_reference(*args, jnp.asarray(pool, dtype),
+    y_ref, pool_ref = conv_ref.causal_conv1d_decode_reference(*args, jnp.asarray(pool, dtype),
                                                           *slots)
     y, new_pool = conv.causal_conv1d_decode(*args, jnp.asarray(pool, dtype), *slots,
                                             interpret=INTERPRET)

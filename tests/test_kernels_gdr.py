@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gated_delta_rule as gdr
 from pallas_kernels import ops
 from pallas_kernels._common import interpret_default
-from pallas_kernels.gated_delta_rule_decode import gated_delta_rule_decode
+from pallas_kernels.reference import gated_delta_rule as gdr_ref
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
+from pallas_kernels.tpu import gated_delta_rule as gdr
+from pallas_kernels.tpu.gated_delta_rule_decode import gated_delta_rule_decode
 
 INTERPRET = interpret_default()
 TOL = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)}
@@ -45,7 +46,7 @@ def _run(case_idx: int, dtype: str, zero_init: bool):
         return [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "ssm_pool")] + [
             jnp.asarray(a) for a in slot_args(case)]
 
-    o_ref, pool_ref = gdr.gated_delta_rule_extend_reference(*args())
+    o_ref, pool_ref = gdr_ref.gated_delta_rule_extend_reference(*args())
     o, pool = gdr.gated_delta_rule_extend(*args(), chunk_size=chunk, interpret=INTERPRET)
     return o, pool, o_ref, pool_ref
 
@@ -80,7 +81,7 @@ def test_gdr_decode_kernel_matches_reference(hk, hv, dk, dv, dtype):
                 for n in ("q", "k", "v", "g", "beta", "ssm_pool")]
         return arrs + [jnp.asarray(case.read_slot), jnp.asarray(case.write_slot)]
 
-    o_ref, pool_ref = gdr.gated_delta_rule_decode_reference(*args())
+    o_ref, pool_ref = gdr_ref.gated_delta_rule_decode_reference(*args())
     o, pool = gated_delta_rule_decode(*args(), interpret=INTERPRET)
     atol, rtol = TOL[dtype]
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention as tpu_attn
 from pallas_kernels.gpu import paged_attention as attn
+from pallas_kernels.reference import paged_attention as attn_ref
 from pallas_kernels.testing import paged_attention_case
+from pallas_kernels.tpu import paged_attention as tpu_attn
 
 _ENV = os.environ.get("PALLAS_INTERPRET")
 INTERPRET = _ENV == "1" if _ENV in ("0", "1") else jax.default_backend() != "gpu"
@@ -52,7 +53,7 @@ def test_gpu_paged_attention_matches_reference(ext, prefix, page_size, hq, hkv, 
                                                block_q, ppb):
     rng = np.random.default_rng(page_size * 10 + hq)
     args = _case(rng, ext, prefix, page_size, hq, hkv, d, dtype)
-    o_ref = tpu_attn.paged_attention_reference(*args, scale=d ** -0.5)
+    o_ref = attn_ref.paged_attention_reference(*args, scale=d ** -0.5)
     o = attn.paged_attention(*args, scale=d ** -0.5, block_q=block_q, pages_per_block=ppb,
                              interpret=INTERPRET)
     assert o.dtype == jnp.dtype(dtype) and o.shape == args[0].shape
@@ -71,7 +72,7 @@ def test_gpu_paged_attention_ignores_positions_past_seq_len():
         for p in range(int(n), table.shape[1] * 4):
             kp[table[b, p // 4], p % 4] = np.nan
             vp[table[b, p // 4], p % 4] = np.nan
-    o_ref = tpu_attn.paged_attention_reference(q, *clean, cu, seq_lens, table, scale=0.25)
+    o_ref = attn_ref.paged_attention_reference(q, *clean, cu, seq_lens, table, scale=0.25)
     args = (q, jnp.asarray(kp), jnp.asarray(vp), cu, seq_lens, table)
     o = attn.paged_attention(*args, scale=0.25, interpret=INTERPRET)
     assert np.all(np.isfinite(np.asarray(o)))

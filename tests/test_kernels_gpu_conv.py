@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import causal_conv1d as tpu_conv
 from pallas_kernels.gpu import causal_conv1d as conv
+from pallas_kernels.reference import causal_conv1d as conv_ref
 from pallas_kernels.testing import ragged_case, slot_args
+from pallas_kernels.tpu import causal_conv1d as tpu_conv
 
 _ENV = os.environ.get("PALLAS_INTERPRET")
 INTERPRET = _ENV == "1" if _ENV in ("0", "1") else jax.default_backend() != "gpu"
@@ -69,7 +70,7 @@ def test_gpu_conv_extend_matches_reference(kw, channels, dtype, use_bias, lens, 
                        snapshots=snaps, zero_init=zero_init)
     x, w, bias, pool = _inputs(rng, case, kw, channels, dtype, use_bias)
     slots = [jnp.asarray(a) for a in slot_args(case)]
-    y_ref, pool_ref = tpu_conv.causal_conv1d_extend_reference(
+    y_ref, pool_ref = conv_ref.causal_conv1d_extend_reference(
         x, w, bias, jnp.asarray(pool, dtype), *slots)
     y, new_pool = conv.causal_conv1d_extend(x, w, bias, jnp.asarray(pool, dtype), *slots,
                                             chunk_size=chunk, interpret=INTERPRET)
@@ -104,7 +105,7 @@ def test_gpu_conv_decode_matches_reference(kw, channels, dtype, use_bias):
     case = ragged_case(rng, [1, 1, 1], num_tokens=4, num_seqs=4)
     x, w, bias, pool = _inputs(rng, case, kw, channels, dtype, use_bias)
     slots = (jnp.asarray(case.read_slot), jnp.asarray(case.write_slot))
-    y_ref, pool_ref = tpu_conv.causal_conv1d_decode_reference(x, w, bias,
+    y_ref, pool_ref = conv_ref.causal_conv1d_decode_reference(x, w, bias,
                                                               jnp.asarray(pool, dtype), *slots)
     y, new_pool = conv.causal_conv1d_decode(x, w, bias, jnp.asarray(pool, dtype), *slots,
                                             interpret=INTERPRET)

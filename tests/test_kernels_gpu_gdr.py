@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gated_delta_rule as gdr
 from pallas_kernels._common import interpret_default
 from pallas_kernels.gpu import gated_delta_rule as ggdr
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode
+from pallas_kernels.reference import gated_delta_rule as gdr_ref
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
 INTERPRET = interpret_default()
@@ -57,7 +57,7 @@ def _extend_case(name: str, dtype: str, zero_init: bool, correlated: bool = Fals
     if correlated:  # nearly parallel keys and slow decay: L has entries near 1
         x["k"] = (x["k"][:1] + 0.05 * x["k"]).astype(np.float32)
         x["g"] = (x["g"] * 0.01).astype(np.float32)
-    o_ref, pool_ref = gdr.gated_delta_rule_extend_reference(*_args(x, case, dtype))
+    o_ref, pool_ref = gdr_ref.gated_delta_rule_extend_reference(*_args(x, case, dtype))
     o, pool = ggdr.gated_delta_rule_extend(*_args(x, case, dtype), chunk_size=chunk,
                                            interpret=INTERPRET)
     return o, pool, o_ref, pool_ref
@@ -105,7 +105,7 @@ def test_gpu_gdr_extend_random_layouts(seed):
     hk, group = int(rng.integers(1, 3)), int(rng.integers(1, 3))
     x = gdr_inputs(rng, case, hk, hk * group, int(rng.choice([16, 24])),
                    int(rng.choice([8, 16, 48])))
-    o_ref, pool_ref = gdr.gated_delta_rule_extend_reference(*_args(x, case, "float32"))
+    o_ref, pool_ref = gdr_ref.gated_delta_rule_extend_reference(*_args(x, case, "float32"))
     o, pool = ggdr.gated_delta_rule_extend(*_args(x, case, "float32"),
                                            chunk_size=int(rng.choice([16, 32])),
                                            interpret=INTERPRET)
@@ -124,7 +124,7 @@ def test_gpu_gdr_decode_matches_reference(hk, hv, dk, dv, dtype):
         return _args(x, case, dtype)[:6] + [jnp.asarray(case.read_slot),
                                             jnp.asarray(case.write_slot)]
 
-    o_ref, pool_ref = gdr.gated_delta_rule_decode_reference(*args())
+    o_ref, pool_ref = gdr_ref.gated_delta_rule_decode_reference(*args())
     o, pool = gated_delta_rule_decode(*args(), interpret=INTERPRET)
     atol, rtol = TOL[dtype]
     assert o.dtype == jnp.dtype(dtype)

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import causal_conv1d as conv
-from pallas_kernels import gated_delta_rule as gdr
-from pallas_kernels import paged_attention as attn
-from pallas_kernels.gated_delta_rule_decode import gated_delta_rule_decode
+from pallas_kernels.tpu import causal_conv1d as conv
+from pallas_kernels.tpu import gated_delta_rule as gdr
+from pallas_kernels.tpu import paged_attention as attn
+from pallas_kernels.tpu.gated_delta_rule_decode import gated_delta_rule_decode
 
 T, B, S, N = 256, 4, 4, 9
 HK, HV, DK, DV = 2, 4, 128, 128

@@ -1,6 +1,6 @@
 """GPU (Pallas Triton) causal conv1d + SiLU: ragged chunked prefill with window writes, decode.
 
-Same contract as ``pallas_kernels.causal_conv1d`` (whose plain-jnp references these kernels are
+Same contract as ``reference.causal_conv1d`` (whose plain-jnp references these kernels are
 tested against). ``conv_pool[slot]`` is ``[K-1, C]``: the last K-1 inputs of a sequence.
 
 Prefill grid ``(NC, C / BC)``, both parallel: chunk c (``BT`` tokens of one sequence, chunking
@@ -22,12 +22,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels._common import (
+    bias_row,
     check_chunk_size,
     chunk_layout,
     extend_targets,
     max_chunks,
 )
-from pallas_kernels.causal_conv1d import _bias_row, _check_conv
+from pallas_kernels.reference.causal_conv1d import check_conv
 
 _F32 = jnp.float32
 
@@ -122,7 +123,7 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
     """Pallas-Triton chunked prefill; same contract as ``causal_conv1d_extend_reference``:
     x ``[T, C]``, weight ``[K, C]``, bias ``[C]`` or None, conv_pool ``[N, K-1, C]`` (x dtype).
     Returns ``(y [T, C] in x.dtype (0 past cu_seqlens[-1]), conv_pool)``."""
-    _check_conv(x, weight, bias, conv_pool)
+    check_conv(x, weight, bias, conv_pool)
     check_chunk_size(chunk_size)
     num_tokens, channels = x.shape
     width = weight.shape[0] - 1
@@ -147,7 +148,7 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)],
         input_output_aliases={8: 1}, interpret=interpret,
         compiler_params=_params(block_channels),
-    )(meta, tstart, trow, tslot, x, init, weight, _bias_row(bias, channels), conv_pool)
+    )(meta, tstart, trow, tslot, x, init, weight, bias_row(bias, channels), conv_pool)
     valid = jnp.arange(num_tokens) < cu_seqlens[-1]
     return jnp.where(valid[:, None], y[:num_tokens], 0).astype(x.dtype), conv_pool
 
@@ -184,7 +185,7 @@ def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *,
                          interpret: bool = False):
     """Pallas-Triton decode (one token per sequence); same contract as
     ``causal_conv1d_decode_reference``: x ``[B, C]``. Returns ``(y [B, C], conv_pool)``."""
-    _check_conv(x, weight, bias, conv_pool)
+    check_conv(x, weight, bias, conv_pool)
     num_seqs, channels = x.shape
     block_channels = _block_channels(channels)
     kernel = functools.partial(_conv_decode_kernel, block_channels=block_channels)
@@ -195,5 +196,5 @@ def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *,
         input_output_aliases={5: 1}, interpret=interpret,
         compiler_params=_params(block_channels),
     )(write_slot.astype(jnp.int32), x, conv_pool[read_slot], weight,
-      _bias_row(bias, channels), conv_pool)
+      bias_row(bias, channels), conv_pool)
     return y, conv_pool

@@ -25,10 +25,7 @@ from pallas_kernels._common import (
     max_chunks,
     token_seq_ids,
 )
-from pallas_kernels.gated_delta_rule import (
-    _check_gdr,
-    gated_delta_rule_extend_reference,  # noqa: F401
-)
+from pallas_kernels.reference.gated_delta_rule import check_gdr
 
 _F32 = jnp.float32
 _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # IEEE fp32 dots, no TF32
@@ -174,7 +171,7 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     f32 (donated, updated in place). ``chunk_size`` must be a power of two >= 16 here (Triton
     tiles). Returns ``(o [T, Hv, Dv] in v.dtype, ssm_pool)``; padding tokens give 0.
     """
-    _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size)
+    check_gdr(q, k, v, g, beta, ssm_pool, chunk_size)
     check(chunk_size >= SUB and chunk_size & (chunk_size - 1) == 0,
           f"chunk_size {chunk_size} must be a power of two >= {SUB} on GPU")
     num_tokens = v.shape[0]

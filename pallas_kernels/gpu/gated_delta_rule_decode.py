@@ -15,9 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.gated_delta_rule import gated_delta_rule_decode_reference  # noqa: F401
-from pallas_kernels.gated_delta_rule_decode import check_gdr_decode
 from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16
+from pallas_kernels.reference.gated_delta_rule import check_gdr_decode
 
 _F32 = jnp.float32
 BLOCK_V = 32    # value-dim tile: B * Hv * Dv/32 programs keep the GPU busy at small batch

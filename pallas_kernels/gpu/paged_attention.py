@@ -1,7 +1,7 @@
 """GPU (Pallas Triton) causal attention of ragged packed queries over paged K/V.
 
-Same contract as ``pallas_kernels.paged_attention`` (its ``paged_attention_reference`` is the
-test oracle): token i of sequence b sits at position ``seq_lens[b] - n_b + (i - cu_seqlens[b])``
+Same contract as ``reference.paged_attention`` (its ``paged_attention_reference`` is the test
+oracle): token i of sequence b sits at position ``seq_lens[b] - n_b + (i - cu_seqlens[b])``
 and attends to positions ``0..its own``; position p lives at ``page_table[b, p // page_size]``,
 row ``p % page_size``.
 

@@ -1,4 +1,5 @@
-"""Gated delta rule over ragged packed sequences (chunked prefill with snapshots).
+"""Plain-jnp references of the gated delta rule (ragged prefill with snapshots, decode) and the
+shape checks both kernel families share.
 
 Per sequence, starting from ``S = ssm_pool[read_slot]`` (``[Hv, Dk, Dv]`` float32), each token:
 ``S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q`` with q, k L2-normalised (q also scaled
@@ -7,23 +8,17 @@ by ``Dk ** -0.5``). See ``docs/kernels.md`` for the chunked (WY / UT-transform) 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import (
     check,
     check_chunk_size,
-    chunk_layout,
     drop_slot,
-    extend_targets,
     l2norm,
-    max_chunks,
     state_targets,
     token_seq_ids,
 )
-from pallas_kernels.gdr_chunk import gdr_chunk_call
 
 
 def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:
@@ -37,8 +32,10 @@ def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array,
 def delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
                beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token for all heads. state ``[..., H, Dk, Dv]``; q, k ``[..., H, Dk]``; v ``[..., H,
-    Dv]``; g, beta ``[..., H]``; all float32. Returns ``(new state, o [..., H, Dv])``."""
-    state = jnp.exp(g)[..., None, None] * state
+    Dv]``; beta ``[..., H]``; g ``[..., H]`` (one decay per head) or ``[..., H, Dk]`` (per key
+    channel: KDA); all float32. Returns ``(new state, o [..., H, Dv])``."""
+    decay = jnp.exp(g)
+    state = (decay[..., None] if g.ndim == k.ndim else decay[..., None, None]) * state
     kv = jnp.einsum("...kv,...k->...v", state, k)
     u = beta[..., None] * (v - kv)
     state = state + k[..., :, None] * u[..., None, :]
@@ -99,7 +96,9 @@ def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, wri
     return o.astype(v.dtype), pool
 
 
-def _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size):
+def check_gdr(q, k, v, g, beta, ssm_pool, chunk_size: int) -> None:
+    """``ValueError`` unless the extend inputs agree (shapes in ``ops.gated_delta_rule_extend``)
+    and ``chunk_size`` is legal."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     check(k.shape == q.shape, f"k shape {k.shape} must equal q shape {q.shape}")
@@ -112,33 +111,15 @@ def _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size):
     check_chunk_size(chunk_size)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
-                   donate_argnames=("ssm_pool",))
-def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
-                            snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
-                            interpret: bool = False):
-    """Pallas chunked prefill; same contract as the reference. Returns ``(o, ssm_pool)``."""
-    _check_gdr(q, k, v, g, beta, ssm_pool, chunk_size)
-    num_tokens, num_heads, _ = v.shape
-    num_seqs = read_slot.shape[0]
-    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
-    gather, cseq, first, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size,
-                                                   num_chunks)
-    ssm_pool, tstart, trow, tslot = extend_targets(
-        ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
-        chunk_off, chunk_size, num_chunks)
-
-    def chunked(x):  # [T, H, ...] -> [H, NC, BT, ...] with zero rows
-        x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[gather]
-        return jnp.moveaxis(x, 2, 0)
-
-    gcum = jnp.cumsum(chunked(g.astype(jnp.float32)), axis=-1)           # [Hv, NC, BT]
-    o_c, ssm_pool = gdr_chunk_call(
-        first, read_slot[cseq], tstart, trow, tslot, chunked(q), chunked(k), chunked(v),
-        gcum[..., None], gcum[:, :, None, :], chunked(beta.astype(jnp.float32))[..., None],
-        ssm_pool, interpret=interpret)
-    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
-    local = jnp.arange(num_tokens) - cu_seqlens[seq]
-    o = o_c[:, chunk_off[seq] + local // chunk_size, local % chunk_size]   # [Hv, T, Dv]
-    o = jnp.where(valid[None, :, None], o, 0).astype(v.dtype)
-    return jnp.moveaxis(o, 0, 1), ssm_pool
+def check_gdr_decode(q, k, v, g, beta, ssm_pool) -> tuple[int, int]:
+    """``ValueError`` unless the decode inputs agree (shapes in ``gated_delta_rule_decode``);
+    returns ``(Hk, Dk)``."""
+    num_seqs, num_heads, dv = v.shape
+    hk, dk = q.shape[1:]
+    check(k.shape == q.shape and q.shape[0] == num_seqs and num_heads % hk == 0,
+          f"q {q.shape} / k {k.shape} must be [{num_seqs}, Hk, Dk] with {num_heads} % Hk == 0")
+    check(g.shape == (num_seqs, num_heads) and beta.shape == (num_seqs, num_heads),
+          f"g {g.shape} / beta {beta.shape} must be {(num_seqs, num_heads)}")
+    check(ssm_pool.shape[1:] == (num_heads, dk, dv) and ssm_pool.dtype == jnp.float32,
+          f"ssm_pool {ssm_pool.shape} {ssm_pool.dtype} must be [N, {num_heads}, {dk}, {dv}] f32")
+    return hk, dk

@@ -1,6 +1,7 @@
-"""Pallas kernels of the causal conv1d: chunked ragged prefill (with window writes) and decode.
+"""TPU (Mosaic) causal conv1d + SiLU: chunked ragged prefill (with window writes) and decode.
 
-Prefill layout (built by ``causal_conv1d.causal_conv1d_extend``): chunk c holds ``K - 1 + BT``
+Same contract as ``reference.causal_conv1d``. Prefill layout (built by
+``causal_conv1d_extend``): chunk c holds ``K - 1 + BT``
 rows, the K-1 inputs before the chunk (from the sequence or its initial window) then its BT
 tokens; chunks never span two sequences. No state is carried, so both grid axes are parallel.
 """
@@ -13,6 +14,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import (
+    bias_row,
+    check_chunk_size,
+    chunk_layout,
+    extend_targets,
+    max_chunks,
+    token_seq_ids,
+)
+from pallas_kernels.reference.causal_conv1d import check_conv
 
 _F32 = jnp.float32
 
@@ -127,3 +138,53 @@ def conv_decode_call(read_slot, write_slot, x, weight, bias, conv_pool, *,
         input_output_aliases={2 + 3: 1}, interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
     )(read_slot, write_slot, x, weight, bias, conv_pool)
+
+
+def _block_channels(channels: int) -> int:
+    return 128 if channels % 128 == 0 else channels
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+                   donate_argnames=("conv_pool",))
+def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot,
+                         snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
+                         interpret: bool = False):
+    """Pallas chunked prefill; same contract as the reference. Returns ``(y, conv_pool)``."""
+    check_conv(x, weight, bias, conv_pool)
+    check_chunk_size(chunk_size)
+    num_tokens, channels = x.shape
+    width = weight.shape[0] - 1
+    num_seqs = read_slot.shape[0]
+    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
+    _, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    c = jnp.arange(num_chunks)
+    local = (c - chunk_off[cseq])[:, None] * chunk_size + jnp.arange(-width, chunk_size)
+    src = jnp.where(local < 0, num_tokens + cseq[:, None] * width + width + local,
+                    cu_seqlens[cseq][:, None] + local)
+    keep = (c < chunk_off[-1])[:, None] & (local < lens[cseq][:, None])
+    src = jnp.where(keep, src, num_tokens + num_seqs * width)
+    table = jnp.concatenate([x, conv_pool[read_slot].reshape(-1, channels),
+                             jnp.zeros((1, channels), x.dtype)])
+    conv_pool, tstart, trow, tslot = extend_targets(
+        conv_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+        chunk_off, chunk_size, num_chunks)
+    y_c, conv_pool = conv_chunk_call(tstart, trow, tslot, table[src], weight,
+                                     bias_row(bias, channels), conv_pool,
+                                     block_channels=_block_channels(channels),
+                                     interpret=interpret)
+    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
+    tok = jnp.arange(num_tokens) - cu_seqlens[seq]
+    y = y_c[chunk_off[seq] + tok // chunk_size, tok % chunk_size]
+    return jnp.where(valid[:, None], y, 0).astype(x.dtype), conv_pool
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("conv_pool",))
+def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *,
+                         interpret: bool = False):
+    """Pallas decode (one token per sequence); same contract as the reference."""
+    check_conv(x, weight, bias, conv_pool)
+    num_seqs, channels = x.shape
+    y, conv_pool = conv_decode_call(read_slot, write_slot, x[:, None, :], weight,
+                                    bias_row(bias, channels), conv_pool, interpret=interpret)
+    return y[:, 0, :], conv_pool

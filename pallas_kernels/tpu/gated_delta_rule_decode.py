@@ -1,4 +1,4 @@
-"""Pallas kernel: gated delta rule recurrent decode (one token per sequence), pool in place.
+"""TPU (Mosaic) kernel: gated delta rule recurrent decode (one token per sequence), pool in place.
 
 Grid ``(B,)``: each step DMAs the ``[Hv, Dk, Dv]`` state of ``read_slot[b]`` into VMEM, applies
 one token for all heads with elementwise ops and reductions (no matmuls: a decode step is
@@ -14,24 +14,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import check
-from pallas_kernels.gated_delta_rule import gated_delta_rule_decode_reference  # noqa: F401
+from pallas_kernels.reference.gated_delta_rule import check_gdr_decode
 
 _F32 = jnp.float32
-
-
-def check_gdr_decode(q, k, v, g, beta, ssm_pool) -> tuple[int, int]:
-    """``ValueError`` unless the decode inputs agree (shapes in ``gated_delta_rule_decode``);
-    returns ``(Hk, Dk)``."""
-    num_seqs, num_heads, dv = v.shape
-    hk, dk = q.shape[1:]
-    check(k.shape == q.shape and q.shape[0] == num_seqs and num_heads % hk == 0,
-          f"q {q.shape} / k {k.shape} must be [{num_seqs}, Hk, Dk] with {num_heads} % Hk == 0")
-    check(g.shape == (num_seqs, num_heads) and beta.shape == (num_seqs, num_heads),
-          f"g {g.shape} / beta {beta.shape} must be {(num_seqs, num_heads)}")
-    check(ssm_pool.shape[1:] == (num_heads, dk, dv) and ssm_pool.dtype == jnp.float32,
-          f"ssm_pool {ssm_pool.shape} {ssm_pool.dtype} must be [N, {num_heads}, {dk}, {dv}] f32")
-    return hk, dk
 
 
 def _gdr_decode_kernel(read_ref, write_ref,  # SMEM [B] slots

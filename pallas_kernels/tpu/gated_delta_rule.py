@@ -1,6 +1,7 @@
-"""Pallas kernel: chunked gated delta rule over ragged sequences, pool read/write + snapshots.
+"""TPU (Mosaic) chunked gated delta rule over ragged sequences: pool read/write + snapshots.
 
-Layout (built by ``gated_delta_rule.gated_delta_rule_extend``): every sequence is cut into
+Same contract as ``reference.gated_delta_rule.gated_delta_rule_extend_reference`` (math in
+``docs/kernels.md``). Layout (built by ``gated_delta_rule_extend``): every sequence is cut into
 chunks of ``BT`` tokens that never span two sequences; chunk c of the padded chunk axis holds
 tokens of one sequence (zero rows past its end, which leave the state unchanged). The grid is
 ``(Hv, NC)``: heads in parallel, chunks in order, the running state in VMEM scratch.
@@ -14,6 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import chunk_layout, extend_targets, max_chunks, token_seq_ids
+from pallas_kernels.reference.gated_delta_rule import check_gdr
 
 _F32 = jnp.float32
 
@@ -127,3 +131,35 @@ def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcol, grow, beta, 
         input_output_aliases={5 + 6: 1}, interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
     )(first, read, tstart, trow, tslot, q, k, v, gcol, grow, beta, ssm_pool)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+                   donate_argnames=("ssm_pool",))
+def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
+                            snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
+                            interpret: bool = False):
+    """Pallas chunked prefill; same contract as the reference. Returns ``(o, ssm_pool)``."""
+    check_gdr(q, k, v, g, beta, ssm_pool, chunk_size)
+    num_tokens, num_heads, _ = v.shape
+    num_seqs = read_slot.shape[0]
+    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
+    gather, cseq, first, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size,
+                                                   num_chunks)
+    ssm_pool, tstart, trow, tslot = extend_targets(
+        ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+        chunk_off, chunk_size, num_chunks)
+
+    def chunked(x):  # [T, H, ...] -> [H, NC, BT, ...] with zero rows
+        x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[gather]
+        return jnp.moveaxis(x, 2, 0)
+
+    gcum = jnp.cumsum(chunked(g.astype(jnp.float32)), axis=-1)           # [Hv, NC, BT]
+    o_c, ssm_pool = gdr_chunk_call(
+        first, read_slot[cseq], tstart, trow, tslot, chunked(q), chunked(k), chunked(v),
+        gcum[..., None], gcum[:, :, None, :], chunked(beta.astype(jnp.float32))[..., None],
+        ssm_pool, interpret=interpret)
+    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
+    local = jnp.arange(num_tokens) - cu_seqlens[seq]
+    o = o_c[:, chunk_off[seq] + local // chunk_size, local % chunk_size]   # [Hv, T, Dv]
+    o = jnp.where(valid[None, :, None], o, 0).astype(v.dtype)
+    return jnp.moveaxis(o, 0, 1), ssm_pool

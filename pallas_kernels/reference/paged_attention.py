@@ -1,4 +1,5 @@
-"""Causal attention over ragged packed sequences whose K/V live in pages (prefill and decode).
+"""Plain-jnp reference of causal attention over ragged packed sequences whose K/V live in pages
+(prefill and decode), ``write_kv``, ``token_positions`` and the shared shape check.
 
 Token i of sequence b sits at position ``seq_lens[b] - n_b + (i - cu_seqlens[b])`` and attends
 to positions ``0..its own``; position p lives at ``page_table[b, p // page_size]``, row
@@ -7,13 +8,10 @@ to positions ``0..its own``; position p lives at ``page_table[b, p // page_size]
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check, chunk_layout, max_chunks, token_seq_ids
-from pallas_kernels.attention_kernel import attention_call
+from pallas_kernels._common import check, token_seq_ids
 
 
 def token_positions(cu_seqlens: jax.Array, seq_lens: jax.Array, num_tokens: int):
@@ -61,40 +59,11 @@ def paged_attention_reference(q, k_pages, v_pages, cu_seqlens, seq_lens, page_ta
     return jnp.where(valid[:, None, None], o, 0.0).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block",
-                                             "interpret"))
-def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
-                    block_q: int = 8, pages_per_block: int | None = None,
-                    interpret: bool = False):
-    """Pallas ragged paged attention; same contract as ``paged_attention_reference``."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
-    num_seqs, pages_per_seq = page_table.shape
+def check_attention(q, k_pages, v_pages) -> None:
+    """``ValueError`` unless q ``[T, Hq, D]`` and pages ``[N, ps, Hkv, D]`` agree (Hkv | Hq)."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pages.shape[2]
     check(k_pages.shape == v_pages.shape and k_pages.shape[3] == head_dim,
           f"k_pages {k_pages.shape} / v_pages {v_pages.shape} must be [N, ps, Hkv, {head_dim}]")
     check(num_q_heads % num_kv_heads == 0,
           f"query heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
-    check(block_q % 8 == 0 and block_q > 0, f"block_q {block_q} must be a multiple of 8")
-    ppb = pages_per_block or max(1, min(pages_per_seq, 16, -(-128 // page_size)))
-    group = num_q_heads // num_kv_heads
-    num_chunks = max_chunks(num_tokens, block_q, num_seqs)
-    gather, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, block_q, num_chunks)
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    inner = jnp.arange(num_chunks) - chunk_off[cseq]
-    pos0 = seq_lens[cseq] - lens[cseq] + inner * block_q
-    count = jnp.clip(lens[cseq] - inner * block_q, 0, block_q)
-    count = jnp.where(jnp.arange(num_chunks) < chunk_off[-1], count, 0)
-    nblk = jnp.where(count > 0, -(-(pos0 + count) // (page_size * ppb)), 0)
-    q_c = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])[gather]
-    q_c = q_c.reshape(num_chunks, block_q, num_kv_heads, group, head_dim)
-    q_c = q_c.transpose(0, 2, 3, 1, 4).reshape(num_chunks, num_kv_heads, group * block_q, -1)
-    o_c = attention_call(page_table.reshape(-1), cseq, pos0.astype(jnp.int32),
-                         nblk.astype(jnp.int32), q_c, k_pages, v_pages, scale=scale,
-                         block_q=block_q, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-                         interpret=interpret)
-    o_c = o_c.reshape(num_chunks, num_kv_heads, group, block_q, head_dim)
-    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
-    tok = jnp.arange(num_tokens) - cu_seqlens[seq]
-    o = o_c[chunk_off[seq] + tok // block_q, :, :, tok % block_q]       # [T, Hkv, G, D]
-    o = jnp.where(valid[:, None, None, None], o, 0).astype(q.dtype)
-    return o.reshape(num_tokens, num_q_heads, head_dim)

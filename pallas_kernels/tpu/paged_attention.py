@@ -1,6 +1,7 @@
-"""Pallas kernel: causal flash attention of ragged query chunks over paged K/V.
+"""TPU (Mosaic) causal flash attention of ragged query chunks over paged K/V.
 
-Layout (built by ``paged_attention.paged_attention``): queries are cut into chunks of ``BQ``
+Same contract as ``reference.paged_attention.paged_attention_reference``. Layout (built by
+``paged_attention``): queries are cut into chunks of ``BQ``
 tokens that never span two sequences; chunk c holds, per KV head, its ``G * BQ`` query rows
 (row ``g * BQ + t``: group member g of token t). The grid is ``(NC, NKB)``: each step loads
 ``ppb`` pages (one BlockSpec per page, the page id taken from the scalar-prefetched page table)
@@ -15,6 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import check, chunk_layout, max_chunks, token_seq_ids
+from pallas_kernels.reference.paged_attention import check_attention
 
 _F32 = jnp.float32
 _MASKED = -1e30
@@ -101,3 +105,39 @@ def attention_call(table, cseq, pos0, nblk, q_c, k_pages, v_pages, *, scale: flo
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
     )(table, cseq, pos0, nblk, q_c, *([k_pages] * ppb), *([v_pages] * ppb))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block",
+                                             "interpret"))
+def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
+                    block_q: int = 8, pages_per_block: int | None = None,
+                    interpret: bool = False):
+    """Pallas ragged paged attention; same contract as ``paged_attention_reference``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, pages_per_seq = page_table.shape
+    check_attention(q, k_pages, v_pages)
+    check(block_q % 8 == 0 and block_q > 0, f"block_q {block_q} must be a multiple of 8")
+    ppb = pages_per_block or max(1, min(pages_per_seq, 16, -(-128 // page_size)))
+    group = num_q_heads // num_kv_heads
+    num_chunks = max_chunks(num_tokens, block_q, num_seqs)
+    gather, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, block_q, num_chunks)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    inner = jnp.arange(num_chunks) - chunk_off[cseq]
+    pos0 = seq_lens[cseq] - lens[cseq] + inner * block_q
+    count = jnp.clip(lens[cseq] - inner * block_q, 0, block_q)
+    count = jnp.where(jnp.arange(num_chunks) < chunk_off[-1], count, 0)
+    nblk = jnp.where(count > 0, -(-(pos0 + count) // (page_size * ppb)), 0)
+    q_c = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])[gather]
+    q_c = q_c.reshape(num_chunks, block_q, num_kv_heads, group, head_dim)
+    q_c = q_c.transpose(0, 2, 3, 1, 4).reshape(num_chunks, num_kv_heads, group * block_q, -1)
+    o_c = attention_call(page_table.reshape(-1), cseq, pos0.astype(jnp.int32),
+                         nblk.astype(jnp.int32), q_c, k_pages, v_pages, scale=scale,
+                         block_q=block_q, pages_per_block=ppb, pages_per_seq=pages_per_seq,
+                         interpret=interpret)
+    o_c = o_c.reshape(num_chunks, num_kv_heads, group, block_q, head_dim)
+    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
+    tok = jnp.arange(num_tokens) - cu_seqlens[seq]
+    o = o_c[chunk_off[seq] + tok // block_q, :, :, tok % block_q]       # [T, Hkv, G, D]
+    o = jnp.where(valid[:, None, None, None], o, 0).astype(q.dtype)
+    return o.reshape(num_tokens, num_q_heads, head_dim)

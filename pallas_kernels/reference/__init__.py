@@ -1,0 +1,1 @@
+"""Plain-jnp references of every op (the kernels' exactness oracle) and shared shape checks."""
