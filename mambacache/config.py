@@ -110,6 +110,40 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The HTTP server (``python -m mambacache.serve``); the engine itself ignores this section.
+
+    ``max_waiting``: requests accepted beyond ``scheduler.max_running_requests``; more are refused
+    with HTTP 503 and ``Retry-After: retry_after_s``. ``tokenizer``: ``"auto"`` (``model.path``'s
+    tokenizer.json; the built-in byte-level one for a preset), ``"byte"``, or a directory.
+    ``model_name``: ``""`` = the model directory's or the preset's name. ``default_max_tokens``:
+    for requests that give none. ``warmup``: one short generation before ``/health`` says ok.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = ""
+    tokenizer: str = "auto"
+    max_waiting: int = 1024
+    retry_after_s: int = 1
+    default_max_tokens: int = 16
+    warmup: bool = True
+
+    def __post_init__(self):
+        for name in ("host", "model_name", "tokenizer"):
+            value = getattr(self, name)
+            _require(isinstance(value, str), f"serve.{name} must be a string, got {value!r}")
+        _require(isinstance(self.port, int) and 0 < self.port < 65536,
+                 f"serve.port must be in [1, 65535], got {self.port!r}")
+        for name in ("max_waiting", "retry_after_s"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                     f"serve.{name} must be an int >= 0, got {value!r}")
+        _positive("serve.default_max_tokens", self.default_max_tokens)
+        _require(isinstance(self.warmup, bool), f"serve.warmup must be a bool, got {self.warmup!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an ``Engine`` needs. The defaults are the embedded tiny model."""
 
@@ -117,6 +151,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:

@@ -1,0 +1,61 @@
+"""``python -m mambacache.serve --config CONFIG [--set section.key=value ...] [--host H]
+[--port P]``: load the model, build the tokenizer, serve the OpenAI API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mambacache.config import EngineConfig, parse_set_args
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mambacache.serve",
+                                description="OpenAI-compatible server over one engine.")
+    p.add_argument("--config", default=None, help="engine TOML (default: the embedded tiny model)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--host", default=None, help="overrides serve.host")
+    p.add_argument("--port", type=int, default=None, help="overrides serve.port")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> EngineConfig:
+    overrides: dict[str, Any] = parse_set_args(args.set)
+    if args.host is not None:
+        overrides["serve.host"] = args.host
+    if args.port is not None:
+        overrides["serve.port"] = args.port
+    return EngineConfig.load(args.config, overrides)
+
+
+def model_name(cfg: EngineConfig) -> str:
+    """``serve.model_name``, else the model directory's name, else the preset's."""
+    if cfg.serve.model_name:
+        return cfg.serve.model_name
+    return Path(cfg.model.path).name if cfg.model.path else cfg.model.preset
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args)
+    import uvicorn
+
+    from mambacache.engine.engine import Engine
+    from mambacache.serve.app import create_app
+    from mambacache.serve.tokenizer import load_tokenizer
+
+    engine = Engine(cfg)
+    tokenizer = load_tokenizer(cfg.serve.tokenizer, cfg.model.path, engine.model_cfg.vocab_size)
+    app = create_app(engine, tokenizer, cfg.serve, model_name=model_name(cfg))
+    uvicorn.run(app, host=cfg.serve.host, port=cfg.serve.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The FastAPI application: ``/v1/completions``, ``/v1/chat/completions`` (streamed as server-sent
+events or not), ``/v1/models``, ``/health`` and ``/metrics``.
+
+Handlers run on the event loop and never touch the engine: they validate (``protocol``), turn
+text into ids (``tokenizer``), submit to the ``EngineLoop`` and turn its deltas into OpenAI
+bodies (``generation``, ``responses``). Every error is OpenAI-shaped; a bad request holds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from mambacache.engine.sampling_params import SamplingParams
+from mambacache.serve.engine_loop import EngineLoop, Overloaded
+from mambacache.serve.generation import Generation
+from mambacache.serve.metrics import ServerMetrics
+from mambacache.serve.protocol import (
+    SEED_LIMIT,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    parse_request,
+    single_prompt,
+)
+from mambacache.serve.responses import ResponseShape, chat_logprobs, completion_logprobs, sse
+
+
+class Server:
+    """What the routes share: the engine loop, the tokenizer, the ``[serve]`` section."""
+
+    def __init__(self, engine: Any, tokenizer: Any, serve_cfg: Any, *, model_name: str):
+        self.cfg = serve_cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = ServerMetrics()
+        self.loop = EngineLoop(engine, max_waiting=self.cfg.max_waiting, observer=self.metrics,
+                               warmup=self.cfg.warmup)
+
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def sampling(self, req: CompletionRequest | ChatRequest, chat: bool) -> SamplingParams:
+        tok = self.tokenizer
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        stop_ids = set(req.stop_token_ids or ())
+        if not req.ignore_eos:
+            stop_ids |= set(tok.eos_token_ids) | set(tok.chat_stop_token_ids if chat else ())
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens or self.cfg.default_max_tokens,
+                temperature=float(req.temperature), top_k=max(req.top_k, 0), top_p=req.top_p,
+                seed=req.seed if req.seed is not None else secrets.randbelow(SEED_LIMIT),
+                stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=req.ignore_eos)
+        except ValueError as err:
+            raise ApiError(str(err)) from None
+
+    def prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
+        if isinstance(req, CompletionRequest):
+            prompt = single_prompt(req.prompt)
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                    for m in req.messages]
+        try:
+            text = self.tokenizer.chat_template.render(messages)
+        except Exception as err:  # noqa: BLE001 - a template that refuses the messages
+            raise ApiError(f"messages: {err}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def generate(self, http: Request, chat: bool) -> Response:
+        req = parse_request(await http.body(), ChatRequest if chat else CompletionRequest)
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(f"model {req.model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", status=404,
+                           code="model_not_found")
+        params = self.sampling(req, chat)
+        prompt_ids = self.prompt_ids(req)
+        try:
+            stream = await self.loop.submit(prompt_ids, params)
+        except Overloaded as err:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise ApiError(f"{err}; retry after {self.cfg.retry_after_s} s", status=503,
+                           type="server_overloaded",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+        except ValueError as err:
+            self.metrics.rejected.labels("invalid").inc()
+            raise ApiError(f"{'messages' if chat else 'prompt'}: {err}",
+                           param="messages" if chat else "prompt") from None
+        shape = ResponseShape(chat=chat, model=self.model_name,
+                              return_token_ids=req.return_token_ids)
+        gen = Generation(self.loop, stream, self.tokenizer, stops=req.stop_strings(),
+                         prompt_ids=prompt_ids,
+                         is_disconnected=None if req.stream else http.is_disconnected)
+        want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        if req.stream:
+            return StreamingResponse(self._events(gen, shape, chat, want_lp, req.include_usage()),
+                                     media_type="text/event-stream")
+        return JSONResponse(await self._collect(gen, shape, chat, want_lp))
+
+    def _logprobs(self, chat: bool, ids: list[int], lps: list[float], offset: int):
+        if chat:
+            return chat_logprobs(ids, lps, self.piece)
+        return completion_logprobs(ids, lps, self.piece, offset)
+
+    async def _collect(self, gen: Generation, shape: ResponseShape, chat: bool, want_lp: bool):
+        text, ids, lps, reason = "", [], [], None
+        async for p in gen.pieces():
+            text, ids, lps, reason = text + p.text, ids + p.ids, lps + p.logprobs, p.finish_reason
+        return shape.full(text=text, ids=ids, finish_reason=reason, usage_=gen.usage(),
+                          prompt_ids=gen.prompt_ids,
+                          logprobs=self._logprobs(chat, ids, lps, 0) if want_lp else None)
+
+    async def _events(self, gen: Generation, shape: ResponseShape, chat: bool, want_lp: bool,
+                      include_usage: bool):
+        if chat:
+            yield sse(shape.chunk(role=True))
+        offset = 0
+        try:
+            async for p in gen.pieces():
+                if not (p.text or p.ids or p.finish_reason):
+                    continue
+                lp = self._logprobs(chat, p.ids, p.logprobs, offset) if want_lp else None
+                offset += len(p.text)
+                yield sse(shape.chunk(text=p.text, ids=p.ids, logprobs=lp,
+                                      finish_reason=p.finish_reason))
+        except ApiError as err:
+            yield sse(err.body())
+        if include_usage:
+            yield sse(shape.usage_chunk(gen.usage()))
+        yield sse("[DONE]")
+
+
+def create_app(engine: Any, tokenizer: Any, serve_cfg: Any, *, model_name: str) -> FastAPI:
+    """The app over ``engine`` (``serve_cfg``: the ``[serve]`` section); its lifespan starts the
+    engine thread (warm-up first) and stops it."""
+    server = Server(engine, tokenizer, serve_cfg, model_name=model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        yield
+        server.loop.stop()
+
+    app = FastAPI(title="mambacache", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        return await server.generate(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request) -> Response:
+        return await server.generate(http, chat=True)
+
+    created = int(time.time())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cfg = engine.model_cfg
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "mambacache",
+            "max_model_len": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not server.loop.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snapshot = await server.loop.call(lambda e: e.metrics())
+        return Response(server.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+    return app

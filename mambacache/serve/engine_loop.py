@@ -1,0 +1,222 @@
+"""The engine in one background thread, and the asyncio front the HTTP handlers await.
+
+Only the engine thread touches the ``Engine``: requests, aborts and any other call (metrics, the
+integrity check) are commands queued to it and run between two steps, in the order sent. After
+each step the thread hands every live request's new token ids and logprobs to that request's
+``RequestStream`` (an ``asyncio.Queue`` on the server's event loop), and the final
+``RequestOutput`` when it finished.
+
+Invariants: a request is live from its ``add_request`` until the step that finished it or its
+abort, and ``in_flight`` counts the live ones plus those being added; a request is refused
+(``Overloaded``, HTTP 503) when ``in_flight`` would exceed ``max_running_requests +
+max_waiting``. Output ids are only ever appended, so a stream never takes back a token it sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mambacache.engine.request import RequestOutput
+from mambacache.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+WARMUP_PROMPT = list(range(1, 17))
+
+
+class Overloaded(Exception):
+    """More requests than ``max_running_requests + max_waiting`` are in the server."""
+
+
+@dataclasses.dataclass
+class Delta:
+    """New tokens of one request; ``output`` is set on the last one (finished, failed)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    cached_tokens: int = 0  # prompt tokens the request got from the cache (once admitted)
+    output: RequestOutput | None = None
+
+
+class RequestStream:
+    """One request seen from the event loop: ``await next()`` yields its ``Delta``s."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.request_id: int | None = None
+        self.submitted_s = time.perf_counter()
+        self.sent = 0  # engine thread only: output ids handed over so far
+        self.last_token_s: float | None = None  # engine thread only
+
+    def put(self, delta: Delta) -> None:  # from the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+
+    async def next(self) -> Delta:
+        return await self.queue.get()
+
+
+class EngineLoop:
+    """Owns ``engine`` and the thread that steps it. ``observer`` (optional) gets
+    ``first_token(s)``, ``inter_token(s)``, ``finished(output, e2e_s)`` from that thread."""
+
+    def __init__(self, engine: Any, *, max_waiting: int, observer: Any = None,
+                 warmup: bool = True):
+        self.engine = engine
+        self.capacity = engine.cfg.scheduler.max_running_requests + max_waiting
+        self.observer = observer
+        self.warmup = warmup
+        self.ready = threading.Event()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, RequestStream] = {}
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mambacache-engine", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._commands.put((lambda e: None, concurrent.futures.Future()))
+        self._thread.join(timeout=30)
+
+    # ---- called from the event loop --------------------------------------------------------
+    def call_soon(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` in the engine thread between steps (thread-safe)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        return await asyncio.wrap_future(self.call_soon(fn))
+
+    async def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; ``ValueError`` (bad input, nothing held) or ``Overloaded``."""
+        with self._lock:
+            if self.in_flight >= self.capacity:
+                raise Overloaded(f"{self.in_flight} requests in the server, the limit is "
+                                 f"{self.capacity} (scheduler.max_running_requests + "
+                                 "serve.max_waiting)")
+            self.in_flight += 1
+        stream = RequestStream(asyncio.get_running_loop())
+        fut = self.call_soon(lambda e: self._add(e, stream, prompt, params))
+        try:
+            await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            self.abort(stream)  # runs after the add: commands are in order
+            raise
+        except BaseException:
+            self._release()
+            raise
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stop ``stream``'s request and free what it holds (no-op once it finished)."""
+        self.call_soon(lambda e: self._abort(e, stream))
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _release(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def _add(self, engine: Any, stream: RequestStream, prompt: Sequence[int],
+             params: SamplingParams) -> None:
+        stream.request_id = engine.add_request(prompt, params)
+        self._live[stream.request_id] = stream
+
+    def _abort(self, engine: Any, stream: RequestStream) -> None:
+        if self._live.pop(stream.request_id, None) is None:
+            return
+        out = engine.abort(stream.request_id)
+        self._release()
+        if self.observer is not None and out is not None:
+            self.observer.finished(out, time.perf_counter() - stream.submitted_s)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.25) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as err:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(err)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        if self.warmup:
+            t = time.perf_counter()
+            self.engine.generate([WARMUP_PROMPT], SamplingParams(max_new_tokens=2))
+            log.info("warm-up done in %.1f s", time.perf_counter() - t)
+        self.ready.set()
+        while not self._stop:
+            self._drain(block=not self.engine.has_unfinished())
+            if self._stop or not self.engine.has_unfinished():
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as err:  # noqa: BLE001 - fail the live requests, keep serving
+                log.exception("engine step failed")
+                self._fail_all(err)
+                continue
+            self._publish(finished)
+
+    def _publish(self, finished: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        done = {out.request_id: out for out in finished}
+        for rid, stream in list(self._live.items()):
+            out = done.get(rid)
+            req = None if out is not None else self.engine.requests.get(rid)
+            if out is None and req is None:
+                continue
+            ids = out.output_token_ids if out is not None else req.output_ids
+            lps = out.output_logprobs if out is not None else req.output_logprobs
+            if len(ids) > stream.sent or out is not None:
+                self._observe_tokens(stream, len(ids) - stream.sent, now)
+                cached = out.cached_tokens if out is not None else req.cached_tokens
+                stream.put(Delta(list(ids[stream.sent:]), list(lps[stream.sent:]), cached, out))
+                stream.sent = len(ids)
+            if out is not None:
+                del self._live[rid]
+                self._release()
+                if self.observer is not None:
+                    self.observer.finished(out, now - stream.submitted_s)
+
+    def _observe_tokens(self, stream: RequestStream, n: int, now: float) -> None:
+        if self.observer is None or n <= 0:
+            return
+        if stream.last_token_s is None:
+            self.observer.first_token(now - stream.submitted_s)
+        else:
+            self.observer.inter_token(now - stream.last_token_s)
+        stream.last_token_s = now
+
+    def _fail_all(self, err: Exception) -> None:
+        """An error outside a model step: abort every live request and report it to each."""
+        for rid, stream in list(self._live.items()):
+            out = self.engine.abort(rid)
+            if out is None:
+                continue
+            out.finish_reason, out.error = "error", f"{type(err).__name__}: {err}"
+            stream.put(Delta([], [], out.cached_tokens, out))
+            del self._live[rid]
+            self._release()
+
+    def live_requests(self) -> int:
+        return len(self._live)

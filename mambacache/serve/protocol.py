@@ -1,0 +1,146 @@
+"""Request bodies of the OpenAI API as strict pydantic models, and their validation errors as
+OpenAI-shaped HTTP 400 bodies that name the field and the limit.
+
+Every field the server accepts is declared here (unknown fields are a 400); fields OpenAI has but
+the engine cannot honour are accepted only at their neutral value (``n`` = 1, ``echo`` = false,
+zero penalties, no top-k alternatives in logprobs), and any other value is a 400 saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SEED_LIMIT = 2**31
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {message, type, param, code}}`` with ``status``."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+        self.type, self.code, self.headers = type, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints (OpenAI's names; ``top_k``, ``ignore_eos``,
+    ``stop_token_ids``, ``return_token_ids`` are the usual server extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
+    stop: Stop = None
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    user: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    return_token_ids: bool = False
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=0)
+    echo: Literal[False] = False
+    best_of: int | None = Field(default=None, ge=1, le=1)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"`` (union branch names dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not any(c in part for c in "[]()-") and part not in ("str", "int", "float", "bool"):
+            out += f".{part}" if out else part
+    return out
+
+
+def parse_request(body: bytes, model: type[_Strict]) -> Any:
+    """The validated request, or an ``ApiError`` naming the first bad field and its limit."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(f"malformed JSON body: {first['msg']}") from None
+        if first["type"] == "model_type":
+            raise ApiError("the body must be a JSON object") from None
+        param = _param(first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ApiError(f"unknown field {param!r}", param=param) from None
+        got = first.get("input")
+        got_text = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
+        raise ApiError(f"{param}: {first['msg']} (got {got_text})", param=param) from None
+
+
+def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a completion request (a batch of one is unwrapped)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(f"prompt: a batch of {len(prompt)} prompts; this server takes 1 "
+                           "per request", param="prompt")
+        prompt = prompt[0]
+    if len(prompt) == 0:
+        raise ApiError("prompt: must not be empty", param="prompt")
+    return prompt
