@@ -147,8 +147,9 @@ def make(name: str, out: Path, seed: int) -> None:
     model.save_pretrained(target, safe_serialization=True)
     (target / "generation_config.json").unlink(missing_ok=True)
     seqs = prompts(seed, model.config.vocab_size)
-    expected = record_cached(model, seqs, num_decode=1)  # prefill, split, bf16 (decode below)
-    expected["greedy_tokens"], expected["greedy_logits"] = greedy_recomputed(model, seqs)
+    tokens, logits = greedy_recomputed(model, seqs)  # before record's bf16 round trip
+    expected = record_cached(model, seqs, num_decode=1)  # prefill, split, bf16 prefill
+    expected["greedy_tokens"], expected["greedy_logits"] = tokens, logits
     np.savez_compressed(target / "expected.npz", **expected)
     sizes = {p.name: p.stat().st_size for p in target.iterdir()}
     rate = clamp_rate(model, seqs)
