@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 _ARCH_TO_FAMILY = {
@@ -26,6 +26,7 @@ _ARCH_TO_FAMILY = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "KimiLinearForCausalLM": "kimi_linear",
 }
 _MODEL_TYPE_TO_FAMILY = {
     "qwen3_next": "qwen3_next",
@@ -33,6 +34,7 @@ _MODEL_TYPE_TO_FAMILY = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "kimi_linear": "kimi_linear",
 }
 
 
@@ -73,6 +75,14 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
+    # Kimi Linear (``models/kimi_config.py``): MLA dims (0 = no MLA) and DeepSeek-style routing.
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -119,6 +129,9 @@ class ModelConfig:
             _require(0 < self.num_experts_per_tok <= self.num_experts,
                      f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                      f"got {self.num_experts_per_tok}")
+        if self.family == "kimi_linear":
+            from models.kimi_config import validate_kimi
+            validate_kimi(self)
 
     # ---- derived sizes (the pools and the model read these) ----
     @property
@@ -136,6 +149,19 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_row_shape(self) -> tuple[int, int]:
+        """(heads, dim) of one token's row in a KV page array: ``(Hkv, head_dim)``, or for MLA
+        one latent row ``(1, kv_lora_rank + qk_rope_head_dim)``."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return self.num_key_value_heads, self.head_dim
+
+    @property
+    def kv_arrays_per_layer(self) -> int:
+        """Page arrays per full-attention layer: 2 (K and V), or 1 for MLA (the latent)."""
+        return 1 if self.kv_lora_rank else 2
 
     @property
     def linear_key_dim(self) -> int:
@@ -156,6 +182,9 @@ class ModelConfig:
     def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (a VL config uses its ``text_config``)."""
         family = _family(hf)
+        if family == "kimi_linear":
+            from models.kimi_config import kimi_from_hf
+            return kimi_from_hf(cls, hf)
         if "text_config" in hf and isinstance(hf["text_config"], Mapping):
             text = hf["text_config"]
             tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))

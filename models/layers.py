@@ -39,6 +39,24 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     return (h * jax.nn.silu(gate.astype(F32))).astype(dtype)
 
 
+def rms_norm_plain(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Plain RMSNorm ``w * (x / rms(x))`` (Kimi Linear): statistics in fp32, the normalised value
+    cast to x.dtype before the multiply (as transformers' ``KimiLinearRMSNorm``)."""
+    xf = x.astype(F32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight * xf.astype(x.dtype)).astype(x.dtype)
+
+
+def sigmoid_gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array,
+                           eps: float) -> jax.Array:
+    """KDA output norm ``w * (x / rms(x)) * sigmoid(gate)``, all in fp32, cast once to x.dtype.
+
+    x, gate: ``[..., D]``; weight ``[D]`` (plain)."""
+    xf = x.astype(F32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(F32) * xf * jax.nn.sigmoid(gate.astype(F32))).astype(x.dtype)
+
+
 def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float,
                  dtype: Any) -> tuple[jax.Array, jax.Array]:
     """NeoX-style cos/sin ``[T, rotary_dim]`` (frequencies repeated twice), cast to ``dtype``."""

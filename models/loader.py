@@ -119,6 +119,9 @@ def _moe(cfg: ModelConfig, src: TensorSource, pre: str) -> dict[str, np.ndarray]
 
 
 def _layer(cfg: ModelConfig, src: TensorSource, pre: str, i: int) -> dict[str, Any]:
+    if cfg.family == "kimi_linear":
+        from models.kimi_loader import kimi_layer
+        return kimi_layer(cfg, src, pre, i)
     h = cfg.hidden_size
     layer: dict[str, Any] = {
         "input_norm": src.get(pre + "input_layernorm.weight", (h,)),

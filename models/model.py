@@ -22,8 +22,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
-from models.layers import rms_norm, swiglu
+from models.kda import kimi_delta_attention
+from models.layers import rms_norm, rms_norm_plain, swiglu
 from models.mixers import full_attention, gated_delta_net
+from models.mla import mla_attention_layer
 from models.moe import moe_dense_reference, moe_grouped
 from pallas_kernels import ops
 
@@ -37,11 +39,12 @@ def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
     ``ragged_dot`` lowers to a masked dense product that costs E / k times more (``docs/model.md``).
     """
     if "moe" in layer:
+        routing = {"groups": (cfg.n_group, cfg.topk_group), "scale": cfg.routed_scaling_factor}
         if impl == "reference":
             return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok,
-                                       cfg.norm_topk_prob)
+                                       cfg.norm_topk_prob, **routing)
         return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                           mesh=mesh)
+                           mesh=mesh, **routing)
     return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
 
 
@@ -63,10 +66,20 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
     k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
     conv, ssm = list(pools.conv), list(pools.ssm)
     h = jnp.take(params["embed"], batch.input_ids, axis=0)
+    norm = rms_norm_plain if cfg.family == "kimi_linear" else rms_norm
     full_i = linear_i = 0
     for kind, layer in zip(cfg.layer_types, params["layers"], strict=True):
-        x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
-        if kind == "linear_attention":
+        x = norm(h, layer["input_norm"], cfg.rms_norm_eps)
+        if "kda" in layer:
+            x, conv[linear_i], ssm[linear_i] = kimi_delta_attention(
+                cfg, layer["kda"], x, conv[linear_i], ssm[linear_i], batch, decode=decode,
+                impl=impl, mesh=mesh)
+            linear_i += 1
+        elif "mla" in layer:
+            x, k_pages[full_i] = mla_attention_layer(cfg, layer["mla"], x, k_pages[full_i],
+                                                     batch, impl=impl, mesh=mesh)
+            full_i += 1
+        elif kind == "linear_attention":
             x, conv[linear_i], ssm[linear_i] = gated_delta_net(
                 cfg, layer["gdn"], x, conv[linear_i], ssm[linear_i], batch, decode=decode,
                 impl=impl, mesh=mesh)
@@ -77,9 +90,9 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
                 mesh=mesh)
             full_i += 1
         h = h + x
-        h = h + _mlp(cfg, layer, rms_norm(h, layer["post_norm"], cfg.rms_norm_eps), impl, mesh)
+        h = h + _mlp(cfg, layer, norm(h, layer["post_norm"], cfg.rms_norm_eps), impl, mesh)
     h = jnp.take(h, batch.logits_indices, axis=0)
-    logits = (rms_norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
+    logits = (norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
     pools = pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),
                           ssm=tuple(ssm))
     return pools, logits.astype(jnp.float32)

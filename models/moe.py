@@ -29,16 +29,20 @@ from models.layers import F32, swiglu
 TP_AXIS = "tp"
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int,
-          norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
+          bias: jax.Array | None = None, groups: tuple[int, int] = (1, 1),
+          scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Top-k routing: weights ``[T, k]`` in x.dtype and expert ids ``[T, k]`` int32.
 
     x ``[T, H]``, router ``[H, E]``; softmax in fp32, renormalised over the top-k if
-    ``norm_topk_prob``. Raises ``ValueError`` unless ``1 <= top_k <= E``.
+    ``norm_topk_prob``. Raises ``ValueError`` unless ``1 <= top_k <= E``. With ``bias``
+    (``[E]``, DeepSeek-V3 / Kimi Linear) the scores are sigmoids instead, see ``_route_biased``.
     """
     num_experts = router.shape[-1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if bias is not None:
+        return _route_biased(x, router, top_k, norm_topk_prob, bias, groups, scale)
     probs = jax.nn.softmax((x @ router).astype(F32), axis=-1)
     top_vals, top_idx = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -46,32 +50,63 @@ def route(x: jax.Array, router: jax.Array, top_k: int,
     return top_vals.astype(x.dtype), top_idx.astype(jnp.int32)
 
 
-def router_weights(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> jax.Array:
+def _route_biased(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
+                  bias: jax.Array, groups: tuple[int, int],
+                  scale: float) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid scores ``s`` (fp32); the choice ranks ``s + bias``: the experts form ``groups[0]``
+    groups, each scored by the sum of its two best, and only the best ``groups[1]`` groups stay
+    eligible; top-k of those. Weights: ``s`` of the chosen (renormalised with ``+ 1e-20`` if
+    ``norm_topk_prob``) times ``scale``, as transformers' ``KimiLinearTopkRouter``."""
+    num_groups, keep_groups = groups
+    scores = jax.nn.sigmoid(x.astype(F32) @ router.astype(F32))      # [T, E]
+    choice = scores + bias.astype(F32)
+    per_group = choice.reshape(choice.shape[0], num_groups, -1)
+    group_score = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)  # [T, G]
+    _, best = jax.lax.top_k(group_score, keep_groups)
+    eligible = jnp.any(best[:, :, None] == jnp.arange(num_groups), axis=1)   # [T, G]
+    choice = jnp.where(eligible[:, :, None], per_group, -jnp.inf).reshape(choice.shape)
+    _, top_idx = jax.lax.top_k(choice, top_k)
+    top_vals = jnp.take_along_axis(scores, top_idx, axis=-1)
+    if norm_topk_prob:
+        top_vals = top_vals / (jnp.sum(top_vals, axis=-1, keepdims=True) + 1e-20)
+    return (top_vals * scale).astype(x.dtype), top_idx.astype(jnp.int32)
+
+
+def router_weights(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
+                   **routing) -> jax.Array:
     """Dense routing weights ``[T, E]`` in x.dtype (0 outside each token's top-k)."""
-    top_vals, top_idx = route(x, router, top_k, norm_topk_prob)
+    top_vals, top_idx = route(x, router, top_k, norm_topk_prob, **routing)
     one_hot = jax.nn.one_hot(top_idx, router.shape[-1], dtype=x.dtype)  # [T, k, E]
     return jnp.einsum("tk,tke->te", top_vals, one_hot)
 
 
 def _shared_expert(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     shared = swiglu(x, p["shared_gate_up"], p["shared_down"])
+    if "shared_gate" not in p:  # Kimi Linear: shared experts without a gate
+        return shared
     return jax.nn.sigmoid(x @ p["shared_gate"]) * shared
 
 
 def moe_dense_reference(x: jax.Array, p: dict[str, jax.Array], top_k: int,
-                        norm_topk_prob: bool) -> jax.Array:
+                        norm_topk_prob: bool, **routing) -> jax.Array:
     """Dense form: every expert on every token, non-selected weighted by 0. x ``[T, H]``.
 
     p: ``router [H, E]``, ``gate_up [E, H, 2I]`` (gate | up), ``down [E, I, H]``, shared expert
     ``shared_gate_up [H, 2Is]``, ``shared_down [Is, H]``, ``shared_gate [H, 1]``. Returns
     ``[T, H]`` in x.dtype. Exact but costs ``T * E`` expert evaluations.
     """
-    weights = router_weights(x, p["router"], top_k, norm_topk_prob)  # [T, E]
+    weights = router_weights(x, p["router"], top_k, norm_topk_prob,
+                             **_bias(p, routing))  # [T, E]
     h = jnp.einsum("th,ehi->tei", x, p["gate_up"])
     g, u = jnp.split(h, 2, axis=-1)
     per_expert = jnp.einsum("tei,eih->teh", jax.nn.silu(g) * u, p["down"])
     routed = jnp.einsum("teh,te->th", per_expert, weights)
     return routed + _shared_expert(x, p)
+
+
+def _bias(p: dict[str, jax.Array], routing: dict) -> dict:
+    """``routing`` (``groups``, ``scale``) plus the correction bias when the layer has one."""
+    return {**routing, "bias": p["router_bias"]} if "router_bias" in p else routing
 
 
 def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_up: jax.Array,
@@ -100,14 +135,14 @@ def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate
 
 
 def moe_grouped(x: jax.Array, p: dict[str, jax.Array], top_k: int, norm_topk_prob: bool, *,
-                mesh: Mesh | None = None) -> jax.Array:
+                mesh: Mesh | None = None, **routing) -> jax.Array:
     """Grouped (token-sorted) top-k MoE plus the shared expert; x ``[T, H]`` -> ``[T, H]``.
 
     Same params and result as ``moe_dense_reference`` (fp32: equal to rounding), cost
     ``~T * k`` on GPU / TPU. ``mesh``: None for one device, else a mesh with a ``"tp"`` axis
     over which ``gate_up`` / ``down`` are split on the expert axis (``E % tp == 0``).
     """
-    top_vals, top_idx = route(x, p["router"], top_k, norm_topk_prob)
+    top_vals, top_idx = route(x, p["router"], top_k, norm_topk_prob, **_bias(p, routing))
     if mesh is None:
         routed = _grouped_experts(x, top_vals, top_idx, p["gate_up"], p["down"], 0)
     else:

@@ -90,6 +90,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     layers = []
     for kind, mlp in zip(cfg.layer_types, cfg.mlp_types, strict=True):
         layer: dict[str, Any] = {"input_norm": (h,), "post_norm": (h,)}
+        if cfg.family == "kimi_linear":  # KDA / MLA / DeepSeek-style MoE
+            from models.kimi_params import kimi_layer_shapes
+            layers.append({**layer, **kimi_layer_shapes(cfg, kind, mlp)})
+            continue
         if kind == "linear_attention":
             layer["gdn"] = gdn_shapes(cfg)
         else:
@@ -108,13 +112,16 @@ def _is_shape(x: Any) -> bool:
 
 
 def _init_leaf(path: str, shape: tuple[int, ...], rng: np.random.Generator,
-               std: float) -> np.ndarray:
-    """Random value for one leaf; norms, A_log and dt_bias are randomised too (not identity)."""
+               std: float, plain_norms: bool = False) -> np.ndarray:
+    """Random value for one leaf; norms, A_log and dt_bias are randomised too (not identity).
+    ``plain_norms``: the family's layer norms multiply by ``w`` (Kimi Linear), not ``1 + w``."""
     name = path.rsplit("/", 1)[-1]
-    if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"):
+    if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm") and not plain_norms:
         return rng.normal(0.0, 0.1, shape)  # zero-centred: the norm multiplies by (1 + w)
-    if name == "norm":
-        return 1.0 + rng.normal(0.0, 0.1, shape)  # gated norm: plain weight
+    if name in ("norm", "kv_norm", "input_norm", "post_norm", "final_norm"):
+        return 1.0 + rng.normal(0.0, 0.1, shape)  # plain weight (gated norms, Kimi's norms)
+    if name == "router_bias":
+        return rng.normal(0.0, 0.1, shape)
     if name == "A_log":
         return np.log(rng.uniform(1.0, 16.0, shape))
     if name == "dt_bias":
@@ -137,7 +144,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> di
     def build(tree: Any, path: str) -> Any:
         if _is_shape(tree):
             fan_in = tree[-2] if len(tree) >= 2 else 1
-            leaf = _init_leaf(path, tree, rng, 1.0 / np.sqrt(fan_in))
+            leaf = _init_leaf(path, tree, rng, 1.0 / np.sqrt(fan_in),
+                              plain_norms=cfg.family == "kimi_linear")
             return jnp.asarray(leaf.astype(np.float32), dtype=dtype)
         if isinstance(tree, dict):
             return {k: build(v, f"{path}/{k}") for k, v in tree.items()}

@@ -38,6 +38,7 @@ from pallas_kernels.gpu import paged_attention as _gpu_attn
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode as _gpu_gdr_decode
 from pallas_kernels.reference import causal_conv1d as _conv_ref
 from pallas_kernels.reference import gated_delta_rule as _gdr_ref
+from pallas_kernels.reference import kda as _kda_ref
 from pallas_kernels.reference import paged_attention as _attn_ref
 from pallas_kernels.tpu import causal_conv1d as _conv
 from pallas_kernels.tpu import gated_delta_rule as _gdr
@@ -187,4 +188,57 @@ def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, sc
         return kernel(*a, scale=scale)
 
     specs = (_HEADS, _PAGES, _PAGES, _REP, _REP, _REP)
+    return _on_mesh(fn, mesh, specs, _HEADS)(*args)
+
+
+def kda_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+               snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None):
+    """Kimi Delta Attention prefill: the gated delta rule with a per-key-channel decay.
+    q, k ``[T, H, Dk]`` raw; v ``[T, H, Dv]``; g ``[T, H, Dk]`` f32 (log decay); beta ``[T, H]``
+    f32; ssm_pool ``[N, H, Dk, Dv]`` f32. Returns ``(o [T, H, Dv] in v.dtype, ssm_pool)``, finals
+    and snapshots as ``gated_delta_rule_extend``. With ``mesh``: heads split over "tp"."""
+    args = _arrays((q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+                    snap_offset, snap_slot))
+    fn = _kernel(impl, "kda_extend") or _kda_ref.kda_extend_reference
+    specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 6
+    return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
+
+
+def kda_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, impl: str,
+               mesh: Mesh | None = None):
+    """KDA, one token per sequence: shapes as ``kda_extend`` with ``T = B``. Returns
+    ``(o, ssm_pool)``. With ``mesh``: heads split over "tp"."""
+    args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
+    fn = _kernel(impl, "kda_decode") or _kda_ref.kda_decode_reference
+    specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 2
+    return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
+
+
+def write_latent(latent_pages, latent, out_cache_loc):
+    """MLA's paged latent cache: latent_pages ``[N, page_size, 1, R + dr]``; latent ``[T, R + dr]``
+    (``kv_lora_rank`` normalised latent | the shared key part) goes to page
+    ``out_cache_loc[i] // page_size``, row ``out_cache_loc[i] % page_size``."""
+    n, page_size = latent_pages.shape[:2]
+    page, row = out_cache_loc // page_size, out_cache_loc % page_size
+    return latent_pages.at[page, row, 0].set(latent.astype(latent_pages.dtype))
+
+
+def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_rank: int,
+                  scale: float, impl: str, mesh: Mesh | None = None):
+    """Weight-absorbed MLA over the paged latent cache: one shared "KV head" whose key is the
+    whole latent row and whose value is its first ``kv_lora_rank`` values.
+
+    q ``[T, Hq, R + dr]`` (per head: the nope query absorbed into the latent space, ``W_uk^T
+    q_nope``, then the query's rope part); latent_pages ``[N, page_size, 1, R + dr]`` holding this
+    step's rows already. Returns ``[T, Hq, R]`` in q.dtype: ``softmax(scale q . row) @ latent``
+    (the caller applies ``W_uv``). Runs the paged attention kernel / reference with the latent
+    pages as both K and V (GQA with one KV head); the ``dr`` trailing output values are dropped.
+    With ``mesh``: query heads split over "tp", the latent pages replicated."""
+    args = _arrays((q, latent_pages, cu_seqlens, seq_lens, page_table))
+    kernel = _kernel(impl, "paged_attention") or _attn_ref.paged_attention_reference
+
+    def fn(q, pages, *rest):
+        return kernel(q, pages, pages, *rest, scale=scale)[..., :kv_lora_rank]
+
+    specs = (_HEADS, _REP, _REP, _REP, _REP)
     return _on_mesh(fn, mesh, specs, _HEADS)(*args)

@@ -25,7 +25,9 @@ class PoolState:
 
     Attributes:
       k_pages, v_pages: per full-attention layer, ``[num_pages + 1, page_size, num_kv_heads,
-        head_dim]`` in the model dtype (page 0 = dump page).
+        head_dim]`` in the model dtype (page 0 = dump page). MLA layers (Kimi Linear) keep one
+        latent row per token in ``k_pages`` (``[..., 1, kv_lora_rank + qk_rope_head_dim]``) and
+        have no ``v_pages``: a layer kind brings its row shape, pages and tree are shared.
       conv: per linear layer, ``[num_slots + 1, conv_kernel_size - 1, conv_dim]`` in the model
         dtype: the last ``kernel - 1`` inputs of the causal conv, oldest first (slot 0 = zeros).
       ssm: per linear layer, ``[num_slots + 1, num_v_heads, head_k_dim, head_v_dim]`` float32:
@@ -56,15 +58,18 @@ class PoolState:
                sharding: Callable[[str], Any] | None = None) -> PoolState:
         """Zero pools for ``model_cfg`` with ``num_pages`` usable pages and ``num_slots`` slots.
 
-        ``model_cfg`` needs ``num_full_layers``, ``num_linear_layers``, ``num_key_value_heads``,
-        ``head_dim``, ``linear_conv_kernel_dim``, ``linear_conv_dim``, ``linear_num_value_heads``,
+        ``model_cfg`` needs ``num_full_layers``, ``num_linear_layers``, ``kv_row_shape`` (a
+        layer kind's KV row: ``(Hkv, head_dim)``, or MLA's one latent row ``(1, R + dr)``),
+        ``kv_arrays_per_layer`` (2: K and V; 1: MLA, ``v_pages`` empty),
+        ``linear_conv_kernel_dim``, ``linear_conv_dim``, ``linear_num_value_heads``,
         ``linear_key_head_dim`` and ``linear_value_head_dim`` (see ``models.config.ModelConfig``).
         ``sharding``: field name -> ``jax.sharding.Sharding`` (``parallel.pool_field_sharding``);
         each device then allocates only its shard (no whole pool on one device). ``None``: the
         default device.
         """
         c = model_cfg
-        kv_shape = (num_pages + 1, page_size, c.num_key_value_heads, c.head_dim)
+        kv_shape = (num_pages + 1, page_size, *c.kv_row_shape)
+        num_v = c.num_full_layers if c.kv_arrays_per_layer == 2 else 0
         conv_shape = (num_slots + 1, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
         ssm_shape = (num_slots + 1, c.linear_num_value_heads, c.linear_key_head_dim,
                      c.linear_value_head_dim)
@@ -75,7 +80,7 @@ class PoolState:
 
         return cls(
             k_pages=zeros("k_pages", kv_shape, dtype, c.num_full_layers),
-            v_pages=zeros("v_pages", kv_shape, dtype, c.num_full_layers),
+            v_pages=zeros("v_pages", kv_shape, dtype, num_v),
             conv=zeros("conv", conv_shape, dtype, c.num_linear_layers),
             ssm=zeros("ssm", ssm_shape, jnp.float32, c.num_linear_layers),
         )
