@@ -159,6 +159,19 @@ class ModelConfig:
         return self.num_key_value_heads, self.head_dim
 
     @property
+    def kv_values_per_token(self) -> int:
+        """KV pool values one token takes over all full-attention layers (MLA: its latent row)."""
+        heads, dim = self.kv_row_shape
+        return self.num_full_layers * self.kv_arrays_per_layer * heads * dim
+
+    @property
+    def kv_values_per_token_expanded(self) -> int:
+        """What per-head K and V would take instead (MLA: ``Hq * (dn + dr + dv)`` per layer)."""
+        if not self.kv_lora_rank:
+            return self.kv_values_per_token
+        return self.num_full_layers * self.num_attention_heads * (self.head_dim + self.v_head_dim)
+
+    @property
     def kv_arrays_per_layer(self) -> int:
         """Page arrays per full-attention layer: 2 (K and V), or 1 for MLA (the latent)."""
         return 1 if self.kv_lora_rank else 2

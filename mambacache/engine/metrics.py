@@ -45,5 +45,16 @@ class EngineMetrics:
             snapshots_skipped=stats.get("snapshots_skipped", 0),
             snapshots_evicted=stats.get("snapshots_evicted", 0),
             running_requests=len(engine.scheduler.running),
-            waiting_requests=len(engine.scheduler.waiting))
+            waiting_requests=len(engine.scheduler.waiting), **kv_bytes_per_token(engine))
         return out
+
+
+def kv_bytes_per_token(engine: Any) -> dict[str, int]:
+    """Bytes of KV pool one cached token takes over all attention layers (MLA: its latent row)
+    and what per-head K and V would take (equal unless the model has MLA layers)."""
+    cfg = engine.model_cfg
+    if not hasattr(cfg, "kv_values_per_token"):  # a runner without a model (shadow runner)
+        return {}
+    itemsize = {"float32": 4, "bfloat16": 2}.get(engine.cfg.model.dtype, 4)
+    return {"kv_bytes_per_token": cfg.kv_values_per_token * itemsize,
+            "kv_bytes_per_token_expanded": cfg.kv_values_per_token_expanded * itemsize}
