@@ -53,7 +53,10 @@ class CacheConfig:
 
     ``num_kv_tokens`` is the KV pool size in tokens (rounded down to whole pages; page 0 is
     reserved). ``num_mamba_slots`` counts usable recurrent-state slots (slot 0, the zero state, is
-    extra). ``checkpoint_interval`` = 0 disables periodic snapshots.
+    extra). ``checkpoint_interval`` = 0 disables periodic snapshots. ``speculative_states``: plan
+    the ``prompt_len - 1`` snapshot and the checkpoints as speculative states (kept while slots are
+    free or until a hit promotes them; see ``cache/snapshot_plan.py``); false keeps states only at
+    branch points and request ends.
     """
 
     enable: bool = True
@@ -62,9 +65,12 @@ class CacheConfig:
     num_mamba_slots: int = 64
     checkpoint_interval: int = 0
     eviction: str = "lru"
+    speculative_states: bool = True
 
     def __post_init__(self):
         _positive("cache.page_size", self.page_size)
+        _require(isinstance(self.speculative_states, bool),
+                 f"cache.speculative_states must be a bool, got {self.speculative_states!r}")
         _positive("cache.num_mamba_slots", self.num_mamba_slots)
         _require(
             isinstance(self.num_kv_tokens, int) and self.num_kv_tokens >= self.page_size,

@@ -94,8 +94,8 @@ class RadixMachine(RuleBasedStateMachine):
         self.match(list(seq), ek)
 
     @rule(seq=TOKENS, ek=EXTRA, positions=st.lists(st.integers(0, 13), max_size=4, unique=True),
-          at_end=st.booleans())
-    def insert(self, seq, ek, positions, at_end):
+          at_end=st.booleans(), spec=st.booleans())
+    def insert(self, seq, ek, positions, at_end, spec):
         if at_end and len(seq) not in positions:
             positions = positions + [len(seq)]
         seq, ps = tuple(seq), self.ps
@@ -104,7 +104,15 @@ class RadixMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(np.append(tokens, 99), extra_key=ek)  # the tree's own pages
         self.cache.lock(m.node)
         own = self.cache.alloc_pages(-(-len(seq) // ps) - m.cached_len // ps)
-        slots = self.cache.alloc_slots(len(positions)) if own is not None else None
+        if own is None:
+            slots = None
+        elif spec:  # speculative: as many as free + speculative states allow, never more
+            firm = self.firm_states()
+            slots = self.cache.alloc_speculative_slots(len(positions))
+            assert firm <= tree_contents(self.cache)[1], "a speculative alloc evicted a firm state"
+            positions = positions[:len(slots)]
+        else:
+            slots = self.cache.alloc_slots(len(positions))
         self.cache.unlock(m.node)
         self.sync_after_eviction()
         if slots is None:
@@ -148,11 +156,29 @@ class RadixMachine(RuleBasedStateMachine):
         assert freed >= min(num, before)
         self.sync_after_eviction()
 
+    def firm_states(self) -> set:
+        """(extra_key, prefix) of every state that is not speculative."""
+        out = set()
+        for ek, root in self.cache.roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, prefix = stack.pop()
+                for child in node.children.values():
+                    full = prefix + tuple(child.key.tolist())
+                    if child.slot is not None and not child.spec:
+                        out.add((ek, full))
+                    stack.append((child, full))
+        return out
+
     @rule(num=st.integers(1, 6))
     def evict_slots(self, num):
         before = self.cache.evictable_slots()
+        spec = sum(1 for n in self.cache.lru_spec if n.mamba_lock_ref == 0)
+        firm = self.firm_states()
         freed = self.cache.evict_slots(num)
         assert freed >= min(num, before)
+        if num <= spec:  # speculative states go first
+            assert firm <= tree_contents(self.cache)[1], "a firm state went before a speculative"
         self.sync_after_eviction()
 
     @rule(num=st.integers(1, 6))

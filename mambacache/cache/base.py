@@ -5,6 +5,9 @@ implements the allocation API on top of the subclass's eviction:
 
 * ``alloc_pages(n)`` / ``alloc_slots(n)``: ``int32[n]`` ids held by the caller, evicting as the
   policy says when the free list is short; ``None`` when even eviction cannot free enough.
+* ``alloc_speculative_slots(n, evict)``: up to ``n`` slots for speculative snapshots
+  (``int32[k]``, ``k <= n``), from free slots and from evicting at most ``evict`` other
+  speculative states (never a firm one).
 * ``free_pages(ids)`` / ``free_slots(ids)``: give back ids the caller holds.
 * ``available_pages()`` / ``available_slots()``: free + evictable now (for admission).
 * ``record_skipped(n)``: count snapshots that were planned but got no slot.
@@ -40,6 +43,9 @@ def register_cache(enable: bool):
 class CacheBase:
     """Allocators + accounting shared by every cache (see the module docstring)."""
 
+    # plan the prompt_len - 1 snapshot and checkpoints (``snapshot_plan.assign_snapshot_slots``)
+    speculative_states = True
+
     def __init__(self, num_pages: int, num_slots: int, page_size: int = 1):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -47,7 +53,8 @@ class CacheBase:
         self.pages = IdAllocator(num_pages, "KV page")
         self.slots = IdAllocator(num_slots, "state slot")
         self.counters = {"snapshots_kept": 0, "snapshots_evicted": 0, "snapshots_skipped": 0,
-                         "snapshots_rejected": 0, "pages_evicted": 0}
+                         "snapshots_rejected": 0, "pages_evicted": 0,
+                         "snapshots_promoted": 0}
 
     # --------------------------------------------------------------------------- allocation
     def alloc_pages(self, num: int) -> np.ndarray | None:
@@ -67,6 +74,11 @@ class CacheBase:
                 return None
             self.evict_slots(short)
         return self.slots.alloc(num)
+
+    def alloc_speculative_slots(self, num: int, evict: int | None = None) -> np.ndarray:
+        """``int32[k]``, ``k <= num``: slots for speculative snapshots, free ones only here (the
+        radix cache also evicts other speculative states for them)."""
+        return self.slots.alloc(min(num, self.slots.num_free))
 
     def free_pages(self, ids) -> None:
         self.pages.free(ids)

@@ -21,6 +21,10 @@ Pass ``alpha`` etc. through ``make_cache(..., eviction="flop_aware", alpha=2.0)`
 
 ``TreeEviction`` is the cache side (a mixin of ``MambaRadixCache``): ``evict_pages(n)`` /
 ``evict_slots(n)`` loop over the policy's candidates until ``n`` are free or nothing is evictable.
+Speculative states (``Node.spec``) come before any policy: ``evict_slots`` first drops unlocked
+speculative states, least recently used first (``cache.lru_spec``), and only then asks the
+policy; KV eviction treats an unlocked speculative state like a tombstone (removing a leaf goes on
+upward through it), so a speculative state never keeps KV that the tree without it would free.
 """
 
 from __future__ import annotations
@@ -181,7 +185,7 @@ class TreeEviction:
 
     def evict_slots(self, num: int) -> int:
         """Free at least ``num`` state slots if possible (policy order); returns slots freed."""
-        freed = 0
+        freed = self._evict_speculative(num) if self.lru_spec else 0
         while freed < num:
             victims, start = self.policy.state_victims(self, num - freed), freed
             if not victims:
@@ -200,9 +204,31 @@ class TreeEviction:
                 break
         return freed
 
+    def _evict_speculative(self, num: int) -> int:
+        """Free up to ``num`` slots from unlocked speculative states, oldest first; returns the
+        slots freed (removing a leaf may drop a speculative parent's state too)."""
+        before = self.slots.num_free
+        victims = []
+        for node in self.lru_spec:
+            if node.mamba_lock_ref == 0:
+                victims.append(node)
+                if len(victims) >= num:
+                    break
+        for node in victims:
+            if not node.spec:  # dropped already, as the parent of an earlier victim
+                continue
+            if node.children:
+                self._drop_state(node)
+            else:
+                self._remove_leaf(node)
+        return self.slots.num_free - before
+
     def _drop_state(self, node: Node) -> None:
         self.slots.release_one(node.slot)
         del self.lru_state[node]
+        if node.spec:
+            del self.lru_spec[node]
+            node.spec = False
         node.slot = None
         self.counters["snapshots_evicted"] += 1
 
@@ -220,8 +246,12 @@ class TreeEviction:
             node.alive = False
             if parent.parent is None and not parent.children and parent.extra_key is not None:
                 self.roots.pop(parent.extra_key, None)  # an emptied namespace goes away
-            if parent.parent is None or parent.children or parent.slot is not None:
+            if parent.parent is None or parent.children:
                 break
+            if parent.slot is not None:
+                if not parent.spec or parent.mamba_lock_ref:
+                    break
+                self._drop_state(parent)  # a speculative state holds no KV on its own
             node = parent
         self.counters["pages_evicted"] += freed
         return freed

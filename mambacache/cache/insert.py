@@ -8,6 +8,8 @@ the tree's own, other pages of the shared prefix are duplicates and are freed, p
 deepest kept state are freed, the rest adopted; rejected slots freed, accepted adopted; (3) find
 or make the node ending at each accepted position: a chain of new nodes past the shared prefix,
 splits of existing edges inside it; (4) store the states (most recent last in both LRU orders).
+A state whose slot came from ``alloc_speculative_slots`` (``cache.spec_slots``) is stored as
+speculative; a new branch hung below a node with a speculative state promotes that state.
 """
 
 from __future__ import annotations
@@ -52,18 +54,23 @@ class TreeInsert:
         # 2. ids: duplicate and surplus pages freed, new pages adopted, slots freed or adopted
         new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept)
         if rejected:
-            self.slots.free([int(snaps[p]) for p in rejected])
+            self.free_slots([int(snaps[p]) for p in rejected])
         if accepted:
             self.slots.adopt([int(snaps[p]) for p in accepted])
         # 3. nodes ending at each accepted position and at ``kept``
         at = self._nodes_at(root, tokens, new_pages, path, shared_end, partial, partial_len,
                             accepted, kept, extra_key)
         # 4. the states go into their nodes (most recent last in both orders)
+        spec_slots = self.spec_slots
         for pos in accepted:
             node = at[pos]
-            node.slot = int(snaps[pos])
+            node.slot = slot = int(snaps[pos])
             self.lru_state[node] = None
             self.lru_all.move_to_end(node)
+            if spec_slots and slot in spec_slots:
+                spec_slots.remove(slot)
+                node.spec = True
+                self.lru_spec[node] = None
         self.counters["snapshots_kept"] += len(accepted)
         self.counters["snapshots_rejected"] += len(rejected)
         if not root.children and extra_key is not None:
@@ -81,6 +88,8 @@ class TreeInsert:
         if kept > shared_end:
             parent = self._split(partial, partial_len) if partial is not None else (
                 path[-1] if path else root)
+            if parent.spec and parent.children:  # the new chain makes it a branch point
+                self._promote(parent)
             ends = [p for p in accepted if p > shared_end]
             at.update(zip(ends, self._new_chain(parent, tokens, new_pages, shared_end, ends,
                                                  extra_key), strict=True))

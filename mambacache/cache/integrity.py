@@ -4,9 +4,11 @@ Raises ``AssertionError`` naming the node and the broken invariant. Invariants c
 
 * structure: parent/child links agree, a child is keyed by its first page, keys are whole pages,
   ``len(pages) == len(key) // page_size``, ``depth == parent.depth + len(key)``, no empty edge;
-* a leaf is never a tombstone; a state-locked node has a state;
+* a leaf is never a tombstone; a state-locked node has a state; a speculative node has a state;
 * ``full_lock_ref == mamba_lock_ref + sum(child.full_lock_ref)`` (so ``full >= mamba``);
-* ``lru_all`` holds exactly the nodes, ``lru_state`` exactly the nodes with a state;
+* ``lru_all`` holds exactly the nodes, ``lru_state`` exactly the nodes with a state, ``lru_spec``
+  exactly the nodes with a speculative state;
+* the slots marked for speculative snapshots (``spec_slots``) are all held by requests;
 * every page / slot in the tree appears once, and the tree's ids are exactly the allocator ids
   with status ``TREE`` (free and held ids are audited by ``IdAllocator.check``);
 * the cached locked-page and locked-slot counters equal the recount.
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.cache.allocator import TREE
+from mambacache.cache.allocator import HELD, TREE
 
 
 def _fail(msg: str) -> None:
@@ -43,6 +45,8 @@ def _check_node(node: Any, parent: Any, ps: int) -> None:
         _fail(f"{node!r}: not keyed by its first page in its parent")
     if not node.children and node.slot is None:
         _fail(f"{node!r}: a leaf without a state (tombstone leaf)")
+    if node.spec and node.slot is None:
+        _fail(f"{node!r}: speculative without a state")
     if node.mamba_lock_ref < 0 or (node.mamba_lock_ref and node.slot is None):
         _fail(f"{node!r}: state lock {node.mamba_lock_ref} on a node without a valid state")
     want = node.mamba_lock_ref + sum(c.full_lock_ref for c in node.children.values())
@@ -103,6 +107,14 @@ def check_tree(cache: Any) -> None:
     if len(cache.lru_state) != len(stateful) or set(cache.lru_state) != stateful:
         _fail(f"lru_state holds {len(cache.lru_state)} nodes, the tree has {len(stateful)} "
               f"nodes with a state")
+    speculative = {n for n in stateful if n.spec}
+    if len(cache.lru_spec) != len(speculative) or set(cache.lru_spec) != speculative:
+        _fail(f"lru_spec holds {len(cache.lru_spec)} nodes, the tree has {len(speculative)} "
+              f"nodes with a speculative state")
+    marked = np.array(sorted(cache.spec_slots), np.int64)
+    if len(marked) and not (cache.slots._status[marked] == HELD).all():
+        _fail(f"slots marked speculative but not held by a request: "
+              f"{marked[cache.slots._status[marked] != HELD].tolist()[:8]}")
     _same_ids("KV pages", page_parts, cache.pages)
     _same_ids("state slots", [np.array(slot_ids, np.int64)], cache.slots)
     if cache.locked_pages() != locked_pages:

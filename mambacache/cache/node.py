@@ -5,6 +5,11 @@ A node owns the edge from its parent: ``key`` (token ids, a whole number of page
 the last token of ``key`` (i.e. after ``depth`` tokens from the root), or ``None``: a tombstone.
 A leaf is never a tombstone.
 
+``spec``: the state is speculative (the ``prompt_len - 1`` snapshot or a periodic checkpoint
+that no request has hit yet and that is not a branch point): it is evicted before any other
+state, and a hit or a second child promotes it (``spec = False``). Only a node with a state is
+speculative.
+
 Locks: ``full_lock_ref`` counts the locks at or below this node (it protects the KV of the path
 to the root), ``mamba_lock_ref`` the locks on this node itself (it protects ``slot``). Hence
 ``full_lock_ref == mamba_lock_ref + sum(child.full_lock_ref)``, so ``full >= mamba``.
@@ -36,7 +41,7 @@ class Node:
     """Tree node; see the module docstring for the fields' meaning."""
 
     __slots__ = ("key", "pages", "slot", "parent", "children", "depth", "full_lock_ref",
-                 "mamba_lock_ref", "alive", "extra_key", "first_page", "__weakref__")
+                 "mamba_lock_ref", "alive", "extra_key", "first_page", "spec", "__weakref__")
 
     def __init__(self, key: np.ndarray, pages: np.ndarray, parent: Node | None, depth: int,
                  extra_key: Any = None):
@@ -52,6 +57,7 @@ class Node:
         self.extra_key = extra_key
         # bytes of key[:page_size]: this node's key in parent.children (set when linked)
         self.first_page = b""
+        self.spec = False  # the state is speculative (see the module docstring)
 
     @property
     def is_root(self) -> bool:
@@ -60,7 +66,7 @@ class Node:
     def __repr__(self) -> str:
         return (f"Node(depth={self.depth}, len={len(self.key)}, slot={self.slot}, "
                 f"children={len(self.children)}, locks={self.full_lock_ref}/"
-                f"{self.mamba_lock_ref})")
+                f"{self.mamba_lock_ref}{', spec' if self.spec else ''})")
 
 
 def make_root(extra_key: Any = None) -> Node:

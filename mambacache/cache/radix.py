@@ -23,6 +23,11 @@ Semantics (and the fixes versus SGLang's ``MambaRadixCache``):
 * Eviction (``evict_pages`` / ``evict_slots``) follows the policy (``eviction.py``): KV eviction
   removes unlocked leaves whole (state included) and then childless tombstones upward; state
   eviction turns an internal node into a tombstone and removes a leaf whole.
+* Speculative states (``Node.spec``): the ``prompt_len - 1`` snapshot and periodic checkpoints
+  get their slots from ``alloc_speculative_slots`` (free slots, or slots of other speculative
+  states: never by evicting a firm state), which marks the slots; ``insert`` turns a marked slot
+  into a speculative state. They are evicted first (``eviction.py``) until a hit (``match_prefix``
+  returns the node) or a divergence (a second child) promotes them. ``lru_spec`` orders them.
 * ``extra_key`` namespaces the tree: each key has its own root.
 * Ids held by requests are tracked by the allocators (``HELD``), so ``check_integrity()`` needs no
   arguments: tree + free lists + held ids must cover every id exactly once.
@@ -49,12 +54,17 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
     """Radix tree of KV pages and state snapshots; see the module docstring."""
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
-                 eviction: str = "lru", **policy_kwargs: Any):
+                 eviction: str = "lru", speculative_states: bool = True, **policy_kwargs: Any):
         super().__init__(num_pages, num_slots, page_size)
+        if not isinstance(speculative_states, bool):
+            raise ValueError(f"speculative_states must be a bool, got {speculative_states!r}")
+        self.speculative_states = speculative_states
         self.policy = make_policy(eviction, **policy_kwargs)
         self.roots: dict[Any, Node] = {None: make_root()}
         self.lru_all: OrderedDict[Node, None] = OrderedDict()  # every node, oldest first
         self.lru_state: OrderedDict[Node, None] = OrderedDict()  # nodes with a state
+        self.lru_spec: OrderedDict[Node, None] = OrderedDict()  # nodes with a speculative state
+        self.spec_slots: set[int] = set()  # HELD slots that insert makes speculative states
         self._locked_pages = 0  # pages of nodes with full_lock_ref > 0
         self._locked_slots = 0  # slots of nodes with mamba_lock_ref > 0
 
@@ -75,6 +85,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         out = super().stats()
         out["tree_nodes"] = len(self.lru_all)
         out["tree_states"] = len(self.lru_state)
+        out["tree_speculative_states"] = len(self.lru_spec)
         return out
 
     def check_integrity(self) -> None:
@@ -111,6 +122,31 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
             node, pos = child, pos + klen
         return path, pos, None, 0
 
+    # --------------------------------------------------------------------------- speculative
+    def alloc_speculative_slots(self, num: int, evict: int | None = None) -> np.ndarray:
+        """``int32[k]``, ``k <= num``: slots for speculative snapshots, from the free list and
+        from evicting at most ``evict`` (default ``num``) unlocked speculative states, oldest
+        first; never a firm state. The slots are marked: ``insert`` keeps them as speculative
+        states."""
+        short = min(num - self.slots.num_free, num if evict is None else evict)
+        if short > 0 and self.lru_spec:
+            self._evict_speculative(short)
+        got = self.slots.alloc(min(num, self.slots.num_free))
+        if len(got):
+            self.spec_slots.update(got.tolist())
+        return got
+
+    def free_slots(self, ids) -> None:
+        if self.spec_slots:
+            self.spec_slots.difference_update(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+        self.slots.free(ids)
+
+    def _promote(self, node: Node) -> None:
+        """A hit or a divergence showed that ``node``'s speculative state pays: keep it as firm."""
+        node.spec = False
+        del self.lru_spec[node]
+        self.counters["snapshots_promoted"] += 1
+
     def _touch(self, node: Node) -> None:
         self.lru_all.move_to_end(node)
         if node.slot is not None:
@@ -129,6 +165,8 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         for i in range(len(path) - 1, -1, -1):
             node = path[i]
             if node.slot is not None and node.depth <= cap:
+                if node.spec:
+                    self._promote(node)
                 self._touch(node)
                 pages = path[0].pages if i == 0 else np.concatenate([n.pages for n in path[:i + 1]])
                 return MatchResult(node.depth, pages, node.slot, node, shared_end)
@@ -164,20 +202,27 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
                 self._locked_pages -= len(node.pages)
             node = node.parent
 
-    # --------------------------------------------------------------------------- insert
 
 
 def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page_size: int = 1,
-               eviction: str = "lru", **policy_kwargs: Any) -> CacheBase:
-    """Build the cache registered for ``enable`` (``True``: radix, ``False``: disabled)."""
+               eviction: str = "lru", speculative_states: bool = True,
+               **policy_kwargs: Any) -> CacheBase:
+    """Build the cache registered for ``enable`` (``True``: radix, ``False``: disabled).
+
+    ``speculative_states``: plan the ``prompt_len - 1`` snapshot and checkpoints (kept as
+    speculative states); False keeps states only at branch points and request ends.
+    """
     import mambacache.cache.disabled  # noqa: F401  (registers the disabled cache)
 
     if enable not in CACHE_CLASSES:
         raise ValueError(f"no cache registered for enable={enable!r}; have {list(CACHE_CLASSES)}")
-    return CACHE_CLASSES[enable](num_pages, num_slots, page_size, eviction, **policy_kwargs)
+    return CACHE_CLASSES[enable](num_pages, num_slots, page_size, eviction,
+                                 speculative_states=speculative_states, **policy_kwargs)
 
 
 def make_cache_from_config(cache_cfg: Any, **policy_kwargs: Any) -> CacheBase:
-    """``make_cache`` from a ``mambacache.config.CacheConfig``."""
+    """``make_cache`` from a ``mambacache.config.CacheConfig`` (all of its cache keys)."""
     return make_cache(cache_cfg.enable, cache_cfg.num_pages, cache_cfg.num_mamba_slots,
-                      cache_cfg.page_size, cache_cfg.eviction, **policy_kwargs)
+                      cache_cfg.page_size, cache_cfg.eviction,
+                      speculative_states=getattr(cache_cfg, "speculative_states", True),
+                      **policy_kwargs)

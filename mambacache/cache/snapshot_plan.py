@@ -9,9 +9,16 @@ position is rounded DOWN to a page boundary (the tree keeps whole pages only).
   every ``checkpoint_interval`` tokens (absolute multiples, so requests agree on positions).
 * ``end_snapshot_position``: the end of a finished request, the state after
   ``prompt_len + output_len - 1`` tokens (the last sampled token is never fed to the model).
-* ``assign_snapshot_slots``: one slot per planned position from ``cache.alloc_slots``; positions
-  that get none are skipped and counted (``cache.record_skipped``). The branch point and
-  ``prompt_len - 1`` are served first, then checkpoints from the deepest down.
+* ``assign_snapshot_slots``: one slot per planned position; positions that get none are skipped
+  and counted (``cache.record_skipped``). The branch point is FIRM: its slot comes from
+  ``cache.alloc_slots`` (evicting per the policy). ``prompt_len - 1`` and the checkpoints are
+  SPECULATIVE (nothing shows yet that they will be hit; in chat they never are): their slots come
+  from ``cache.alloc_speculative_slots``: free slots (and, for ``prompt_len - 1`` only, the slot
+  of the least recently used other speculative state), never by evicting a branch point or a
+  request end; the tree keeps them as speculative states, evicted first until a hit or a
+  divergence promotes them. ``prompt_len - 1`` is served
+  before the checkpoints, which go from the deepest down. A cache built with
+  ``speculative_states=False`` plans neither (states only at branch points and request ends).
 """
 
 from __future__ import annotations
@@ -57,26 +64,31 @@ def end_snapshot_is_running_state(total_len: int, page_size: int) -> bool:
 
 def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | None = None,
                           prompt_len: int | None = None, page_size: int = 1) -> dict[int, int]:
-    """``{position: slot}`` for the positions that got a slot; the rest are counted as skipped."""
+    """``{position: slot}`` for the positions that got a slot; the rest are counted as skipped.
+
+    The position equal to ``branch_len`` (rounded down to a page) is firm, every other one
+    speculative (see the module docstring).
+    """
     if not positions:
         return {}
-    order = list(positions)
-    if len(order) > 1:
-        preferred = set()
-        if branch_len is not None:
-            preferred.add(_floor(branch_len, page_size))
-        if prompt_len is not None:
-            preferred.add(_floor(prompt_len - 1, page_size))
-        order.sort(key=lambda p: (p not in preferred, -p))
-    got = cache.alloc_slots(len(order))
-    if got is not None:
-        return dict(zip(order, got.tolist(), strict=True)) if len(order) > 1 else {
-            order[0]: int(got[0])}
+    branch = _floor(branch_len, page_size) if branch_len is not None else None
+    last = _floor(prompt_len - 1, page_size) if prompt_len is not None else None
+    firm = [p for p in positions if p == branch]
+    spec = [p for p in positions if p != branch] if cache.speculative_states else []
     out: dict[int, int] = {}
-    for i, pos in enumerate(order):
+    if firm:
         got = cache.alloc_slots(1)
         if got is None:
-            cache.record_skipped(len(order) - i)
-            break
-        out[pos] = int(got[0])
+            cache.record_skipped(1)
+        else:
+            out[firm[0]] = int(got[0])
+    if spec:
+        if len(spec) > 1:
+            spec.sort(key=lambda p: (p != last, -p))
+        # only prompt_len - 1 may push out an older speculative state; checkpoints take free
+        # slots (under pressure a request would otherwise churn through many evictions)
+        got = cache.alloc_speculative_slots(len(spec), evict=int(spec[0] == last))
+        if len(got) < len(spec):
+            cache.record_skipped(len(spec) - len(got))
+        out.update(zip(spec, got.tolist(), strict=False))  # shallowest go without
     return out
