@@ -19,6 +19,8 @@ from mambacache.serve.app import create_app
 from mambacache.serve.tokenizer import ByteTokenizer
 
 MODEL = "tiny"
+# One configuration for every test server, so that they share compiled programs.
+SERVER = {"scheduler.max_running_requests": 16, "serve.max_waiting": 64}
 
 
 @dataclasses.dataclass
@@ -45,7 +47,7 @@ class ServerHandle:
 
 @contextlib.contextmanager
 def running_server(**overrides: Any) -> Iterator[ServerHandle]:
-    engine = make_engine(**overrides)
+    engine = make_engine(**SERVER, **overrides)
     tokenizer = ByteTokenizer(engine.model_cfg.vocab_size)
     app = create_app(engine, tokenizer, engine.cfg.serve, model_name=MODEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

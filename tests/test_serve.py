@@ -13,17 +13,16 @@ import openai
 import pytest
 from engine_helpers import make_engine
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import MODEL, running_server
+from serve_helpers import MODEL, SERVER, running_server
 
 import mambacache as mc
 
-SERVER = {"scheduler.max_running_requests": 16, "serve.max_waiting": 64}
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 
 @pytest.fixture(scope="module")
 def srv():
-    with running_server(**SERVER) as handle:
+    with running_server() as handle:
         yield handle
 
 

@@ -122,9 +122,10 @@ class Server:
         if chat:
             yield sse(shape.chunk(role=True))
         offset = 0
+        ids_matter = shape.return_token_ids or want_lp  # else a chunk without text says nothing
         try:
             async for p in gen.pieces():
-                if not (p.text or p.ids or p.finish_reason):
+                if not (p.text or p.finish_reason or (ids_matter and p.ids)):
                     continue
                 lp = self._logprobs(chat, p.ids, p.logprobs, offset) if want_lp else None
                 offset += len(p.text)
