@@ -17,8 +17,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
-LAYER_TYPES = ("linear_attention", "full_attention")
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "nemotron_h",
+            "granitemoehybrid")
+LAYER_TYPES = ("linear_attention", "full_attention", "none")  # none: Nemotron-H MLP-only blocks
 
 _ARCH_TO_FAMILY = {
     "Qwen3NextForCausalLM": "qwen3_next",
@@ -27,6 +28,8 @@ _ARCH_TO_FAMILY = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "KimiLinearForCausalLM": "kimi_linear",
+    "NemotronHForCausalLM": "nemotron_h",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 _MODEL_TYPE_TO_FAMILY = {
     "qwen3_next": "qwen3_next",
@@ -35,6 +38,8 @@ _MODEL_TYPE_TO_FAMILY = {
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "kimi_linear": "kimi_linear",
+    "nemotron_h": "nemotron_h",
+    "granitemoehybrid": "granitemoehybrid",
 }
 
 
@@ -83,10 +88,19 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Mamba2 hybrids (``models/mamba2_config.py``): dt clamp, optional RoPE, Granite multipliers
+    # (attention_multiplier 0 = head_dim ** -0.5; logits are divided by logits_scaling).
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    use_rope: bool = True
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_types", tuple(self.mlp_types))
+        object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
         _require(self.family in FAMILIES, f"family must be one of {FAMILIES}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "linear_num_key_heads", "linear_num_value_heads",
@@ -100,8 +114,8 @@ class ModelConfig:
         _require(len(self.mlp_types) == len(self.layer_types),
                  f"mlp_types has {len(self.mlp_types)} entries, layer_types "
                  f"{len(self.layer_types)}")
-        bad = [t for t in self.mlp_types if t not in ("moe", "dense")]
-        _require(not bad, f"mlp_types entries must be 'moe' or 'dense', got {bad}")
+        bad = [t for t in self.mlp_types if t not in ("moe", "dense", "none")]
+        _require(not bad, f"mlp_types entries must be 'moe', 'dense' or 'none', got {bad}")
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                  f"num_key_value_heads ({self.num_key_value_heads})")
@@ -132,6 +146,12 @@ class ModelConfig:
         if self.family == "kimi_linear":
             from models.kimi_config import validate_kimi
             validate_kimi(self)
+        if self.family in ("nemotron_h", "granitemoehybrid"):
+            from models.mamba2_config import validate_mamba2
+            validate_mamba2(self)
+        else:
+            _require("none" not in self.layer_types + self.mlp_types,
+                     f"'none' layer or MLP types are for nemotron_h only, not {self.family}")
 
     # ---- derived sizes (the pools and the model read these) ----
     @property
@@ -198,6 +218,9 @@ class ModelConfig:
         if family == "kimi_linear":
             from models.kimi_config import kimi_from_hf
             return kimi_from_hf(cls, hf)
+        if family in ("nemotron_h", "granitemoehybrid"):
+            from models.mamba2_config import mamba2_from_hf
+            return mamba2_from_hf(cls, hf, family)
         if "text_config" in hf and isinstance(hf["text_config"], Mapping):
             text = hf["text_config"]
             tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))

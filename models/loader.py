@@ -153,14 +153,18 @@ def load_checkpoint(path: str | Path, dtype: Any = jnp.float32) -> tuple[ModelCo
         raise ValueError(f"no config.json in {str(path)!r}")
     cfg = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
     src = TensorSource(checkpoint_files(path))
-    pre = _prefix(src)
     v, h = cfg.vocab_size, cfg.hidden_size
-    tree: dict[str, Any] = {
-        "embed": src.get(pre + "embed_tokens.weight", (v, h)),
-        "final_norm": src.get(pre + "norm.weight", (h,)),
-        "layers": tuple(_layer(cfg, src, f"{pre}layers.{i}.", i)
-                        for i in range(cfg.num_hidden_layers)),
-    }
+    if cfg.family in ("nemotron_h", "granitemoehybrid"):
+        from models.mamba2_loader import mamba2_tree
+        tree: dict[str, Any] = mamba2_tree(cfg, src)
+    else:
+        pre = _prefix(src)
+        tree = {
+            "embed": src.get(pre + "embed_tokens.weight", (v, h)),
+            "final_norm": src.get(pre + "norm.weight", (h,)),
+            "layers": tuple(_layer(cfg, src, f"{pre}layers.{i}.", i)
+                            for i in range(cfg.num_hidden_layers)),
+        }
     if "lm_head.weight" in src or not cfg.tie_word_embeddings:
         tree["lm_head"] = src.get("lm_head.weight", (v, h)).T
     else:

@@ -5,9 +5,9 @@ Jittable with the pools donated::
     step = jax.jit(partial(forward, cfg=cfg, kernels="auto", decode=False), donate_argnums=(1,))
     pools, logits = step(params, pools, batch)
 
-``pools`` is duck-typed ``mambacache.engine.pools.PoolState`` (tuples ``k_pages``/``v_pages`` per full
-layer, ``conv``/``ssm`` per linear layer, in layer order; updated with ``pools.replace``) and
-``batch`` a ``mambacache.engine.batch.ForwardBatch``. This module does not import ``mambacache``.
+``pools`` is duck-typed ``mambacache.engine.pools.PoolState`` (tuples ``k_pages``/``v_pages``
+per full layer, ``conv``/``ssm`` per linear layer, in layer order; updated with
+``pools.replace``) and ``batch`` a ``mambacache.engine.batch.ForwardBatch``. This module does not import ``mambacache``.
 ``mesh`` (static; tensor parallel): the ``jax.sharding.Mesh`` the params and pools are sharded
 over, or None for one device; the kernel ops and the routed experts of the MoE then run per
 device inside ``shard_map``.
@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from models.config import ModelConfig
 from models.kda import kimi_delta_attention
 from models.layers import rms_norm, rms_norm_plain, swiglu
+from models.mamba2_model import mamba2_forward
 from models.mixers import full_attention, gated_delta_net
 from models.mla import mla_attention_layer
 from models.moe import moe_dense_reference, moe_grouped
@@ -63,6 +64,8 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
     if decode and batch.input_ids.shape[0] != batch.read_slot.shape[0]:
         raise ValueError(f"decode needs one token per sequence: {batch.input_ids.shape[0]} tokens, "
                          f"{batch.read_slot.shape[0]} sequences")
+    if cfg.family in ("nemotron_h", "granitemoehybrid"):  # models/mamba2_model.py
+        return mamba2_forward(params, pools, batch, cfg=cfg, impl=impl, decode=decode, mesh=mesh)
     k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
     conv, ssm = list(pools.conv), list(pools.ssm)
     h = jnp.take(params["embed"], batch.input_ids, axis=0)

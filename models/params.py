@@ -90,6 +90,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     layers = []
     for kind, mlp in zip(cfg.layer_types, cfg.mlp_types, strict=True):
         layer: dict[str, Any] = {"input_norm": (h,), "post_norm": (h,)}
+        if cfg.family in ("nemotron_h", "granitemoehybrid"):  # Mamba2 hybrids
+            from models.mamba2_params import mamba2_layer_shapes
+            layers.append(mamba2_layer_shapes(cfg, kind, mlp))
+            continue
         if cfg.family == "kimi_linear":  # KDA / MLA / DeepSeek-style MoE
             from models.kimi_params import kimi_layer_shapes
             layers.append({**layer, **kimi_layer_shapes(cfg, kind, mlp)})
@@ -145,7 +149,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> di
         if _is_shape(tree):
             fan_in = tree[-2] if len(tree) >= 2 else 1
             leaf = _init_leaf(path, tree, rng, 1.0 / np.sqrt(fan_in),
-                              plain_norms=cfg.family == "kimi_linear")
+                              plain_norms=cfg.family in ("kimi_linear", "nemotron_h",
+                                                         "granitemoehybrid"))
             return jnp.asarray(leaf.astype(np.float32), dtype=dtype)
         if isinstance(tree, dict):
             return {k: build(v, f"{path}/{k}") for k, v in tree.items()}

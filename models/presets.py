@@ -49,6 +49,26 @@ PRESETS: dict[str, ModelConfig] = {
 PRESETS["tiny_qwen3_next_tp4"] = dataclasses.replace(
     PRESETS["tiny_qwen3_next"], num_attention_heads=8, num_key_value_heads=4,
     linear_num_key_heads=4, linear_num_value_heads=8)
+
+# Mamba2 hybrids (models/mamba2_config.py): linear_* hold the Mamba2 sizes (G=2 groups of N=16
+# state, H=8 heads of P=8), dt clamped as the released configs do.
+_MAMBA2 = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, linear_num_key_heads=2, linear_num_value_heads=8,
+               linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               max_position_embeddings=4096, **_MOE)
+PRESETS["tiny_nemotron_h"] = ModelConfig(  # blocks M E M * M - (Mamba, MoE, attention, MLP)
+    family="nemotron_h",
+    layer_types=("linear_attention", "none", "linear_attention", "full_attention",
+                 "linear_attention", "none"),
+    mlp_types=("none", "moe", "none", "none", "none", "dense"), intermediate_size=96,
+    n_group=2, topk_group=1, routed_scaling_factor=1.5, time_step_limit=(0.001, float("inf")),
+    use_rope=False, partial_rotary_factor=1.0, rms_norm_eps=1e-5, **_MAMBA2)
+PRESETS["tiny_granite_4_h"] = ModelConfig(  # M M * M, MoE + shared SwiGLU, muP multipliers
+    family="granitemoehybrid", layer_types=_PATTERN[:2] + ("full_attention", "linear_attention"),
+    mlp_types=("moe",) * 4, intermediate_size=32, use_rope=False, partial_rotary_factor=1.0,
+    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+    logits_scaling=4.0, tie_word_embeddings=True, rms_norm_eps=1e-6, **_MAMBA2)
+
 # Kimi Linear (models/kimi_config.py): KDA x3 + MLA (NoPE, latent 32 + shared key 8 per token),
 # first MLP dense, then DeepSeek-style MoE (4 groups of 2 experts, top-2 groups, top-2).
 PRESETS["tiny_kimi_linear"] = ModelConfig(
