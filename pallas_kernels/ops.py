@@ -40,6 +40,7 @@ from pallas_kernels.reference import causal_conv1d as _conv_ref
 from pallas_kernels.reference import gated_delta_rule as _gdr_ref
 from pallas_kernels.reference import kda as _kda_ref
 from pallas_kernels.reference import paged_attention as _attn_ref
+from pallas_kernels.reference import ssd as _ssd_ref
 from pallas_kernels.tpu import causal_conv1d as _conv
 from pallas_kernels.tpu import gated_delta_rule as _gdr
 from pallas_kernels.tpu import paged_attention as _attn
@@ -242,3 +243,38 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
 
     specs = (_HEADS, _REP, _REP, _REP, _REP)
     return _on_mesh(fn, mesh, specs, _HEADS)(*args)
+
+def _ssd_fn(impl: str, name: str, reference):
+    """The family's SSD kernel ``name``, or ``reference`` for impl "reference"; a family
+    without one is a ``ValueError`` (never a silent fallback)."""
+    if impl == "pallas" and not hasattr(FAMILIES[kernel_family()], name):
+        raise ValueError(f"no Pallas {name} kernel in family {kernel_family()!r} yet; "
+                         "run the Mamba2 families with kernels='reference'")
+    return _kernel(impl, name) or reference
+
+
+def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+               snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None):
+    """Mamba2 (SSD) prefill. x ``[T, H, P]``; dt ``[T, H]`` f32 (after softplus and clamp); a
+    (``-exp(A_log)``), d ``[H]`` f32; b, c ``[T, G, N]`` (heads ``g*H/G ..`` share group g);
+    ssm_pool ``[S, H, N, P]`` f32. Returns ``(y [T, H, P] in x.dtype, ssm_pool)`` with
+    ``y = h^T C + D x``; finals and snapshots at any offset as ``gated_delta_rule_extend``.
+    With ``mesh``: heads of x, dt, a, d, y and the pool, groups of b, c split over "tp" (tp
+    divides G, so each device's heads are exactly its groups' heads)."""
+    args = _arrays((x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+                    snap_offset, snap_slot))
+    fn = _ssd_fn(impl, "ssd_extend", _ssd_ref.ssd_extend_reference)
+    vec = P(TP_AXIS)
+    specs = (_HEADS, _HEADS, vec, _HEADS, _HEADS, vec, _POOL_HEADS) + (_REP,) * 6
+    return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
+
+
+def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, impl: str,
+               mesh: Mesh | None = None):
+    """Mamba2 recurrent step, one token per sequence: shapes as ``ssd_extend`` with ``T = B``.
+    Returns ``(y, ssm_pool)``. With ``mesh``: split as in ``ssd_extend``."""
+    args = _arrays((x, dt, a, b, c, d, ssm_pool, read_slot, write_slot))
+    fn = _ssd_fn(impl, "ssd_decode", _ssd_ref.ssd_decode_reference)
+    vec = P(TP_AXIS)
+    specs = (_HEADS, _HEADS, vec, _HEADS, _HEADS, vec, _POOL_HEADS, _REP, _REP)
+    return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
