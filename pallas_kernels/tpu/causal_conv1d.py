@@ -100,18 +100,21 @@ def _conv_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
                         pool_ref,   # [N, K-1, C] HBM: initial windows (alias of pool_out)
                         y_ref,      # [1, C]
                         pool_out,   # [N, K-1, C] HBM: new windows
-                        win_ref,    # [K, C] pool-dtype scratch: window then the new token
-                        xs_ref):    # [K, C] f32 scratch
+                        old_ref,    # [K-1, C] pool-dtype scratch: the window read
+                        new_ref,    # [K-1, C] pool-dtype scratch: the window written
+                        xs_ref):    # [K, C] f32 scratch: window then the new token
+    # Whole-ref DMAs only: a DMA of a row slice of a packed (bf16) window is not tile-aligned.
     b = pl.program_id(0)
     width = w_ref.shape[0] - 1
-    pltpu.sync_copy(pool_ref.at[read_ref[b]], win_ref.at[pl.ds(0, width)])
-    win_ref[pl.ds(width, 1), :] = x_ref[...].astype(win_ref.dtype)
-    xs_ref[...] = win_ref[...].astype(_F32)
+    pltpu.sync_copy(pool_ref.at[read_ref[b]], old_ref)
+    xs_ref[pl.ds(0, width), :] = old_ref[...].astype(_F32)
+    xs_ref[pl.ds(width, 1), :] = x_ref[...].astype(_F32)
     y_ref[...] = _silu_taps(xs_ref, w_ref, b_ref, 1).astype(y_ref.dtype)
 
     @pl.when(write_ref[b] > 0)
     def _write():
-        pltpu.sync_copy(win_ref.at[pl.ds(1, width)], pool_out.at[write_ref[b]])
+        new_ref[...] = xs_ref[pl.ds(1, width), :].astype(new_ref.dtype)
+        pltpu.sync_copy(new_ref, pool_out.at[write_ref[b]])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("conv_pool",))
@@ -129,7 +132,8 @@ def conv_decode_call(read_slot, write_slot, x, weight, bias, conv_pool, *,
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[pl.BlockSpec((sq, 1, channels), lambda b, *_: (b, 0, 0)),
                    pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM((kernel, channels), conv_pool.dtype),
+        scratch_shapes=[pltpu.VMEM((kernel - 1, channels), conv_pool.dtype),
+                        pltpu.VMEM((kernel - 1, channels), conv_pool.dtype),
                         pltpu.VMEM((kernel, channels), _F32)])
     return pl.pallas_call(
         _conv_decode_kernel, grid_spec=grid_spec,

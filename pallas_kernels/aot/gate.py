@@ -1,0 +1,120 @@
+"""The compile gate: every family kernel, every target, dtype and size; a table; exit status.
+
+    python -m pallas_kernels.aot [--targets v5e:2x2,v6e:2x2,sm_90] [--dtypes float32,bfloat16]
+                                 [--sizes tiny,qwen3_next,qwen3_5] [--cases gdr_extend,...]
+                                 [--bundles] [--json PATH]
+
+TPU targets compile the ``tpu`` family (Mosaic) on libtpu's compile-only topologies
+(``aot.tpu``); ``sm_90`` compiles the ``gpu`` family (Triton) for Hopper (``aot.gpu``) and
+reports registers, shared memory, spill and tensor-core instruction counts per Triton kernel.
+``--bundles`` adds the estimated VLIW bundles per grid step of each TPU kernel (LLO dump). Exit
+status 1 if any case fails to compile or a family kernel has no case (``aot.cases``). Needs the
+``aot`` extra (libtpu, triton).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+
+import jax.numpy as jnp
+
+from pallas_kernels.aot import gpu, tpu
+from pallas_kernels.aot.cases import CASES, SIZES, kernel_name
+
+TPU_TARGETS = ("v5e:2x2", "v6e:2x2")
+GPU_TARGETS = ("sm_90",)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def family_of(target: str) -> str:
+    if target in GPU_TARGETS:
+        return "gpu"
+    if target.startswith("v") and ":" in target:
+        return "tpu"
+    raise ValueError(f"target {target!r} must be a TPU topology like 'v5e:2x2' or 'sm_90'")
+
+
+def missing_cases() -> list[str]:
+    """Family kernels (``ops.FAMILIES`` attributes) without a compile-gate case."""
+    from pallas_kernels.ops import FAMILIES
+    names = {kernel_name(c) for c in CASES}
+    return sorted({k for fam in FAMILIES.values() for k in vars(fam)} - names)
+
+
+def run_case(target: str, case: str, size: str, dtype: str, dump_dir: str | None) -> dict:
+    """Compile one case; a row of the table."""
+    from pallas_kernels.ops import FAMILIES
+    family = family_of(target)
+    kernel = getattr(FAMILIES[family], kernel_name(case), None)
+    row = dict(target=target, case=case, size=size, dtype=dtype)
+    if kernel is None:  # a case registered ahead of (or without) this family's kernel
+        return row | {"ok": True, "absent": True, "error": None}
+    args, kwargs = CASES[case](SIZES[size], DTYPES[dtype])
+    fn = functools.partial(kernel, interpret=False, **kwargs)
+    if family == "gpu":
+        return row | gpu.compile_for_sm90(fn, args)
+    return row | tpu.compile_for(fn, args, target, dump_dir)
+
+
+def run(targets, cases, sizes, dtypes, dump_dir: str | None = None, echo=print) -> list[dict]:
+    rows = []
+    for target in targets:
+        for size in sizes:
+            for dtype in dtypes:
+                for case in cases:
+                    row = run_case(target, case, size, dtype, dump_dir)
+                    rows.append(row)
+                    echo(format_row(row))
+    return rows
+
+
+def format_row(r: dict) -> str:
+    head = f"{r['target']:8s} {r['size']:10s} {r['dtype']:8s} {r['case']:22s} "
+    if not r["ok"]:
+        return head + "FAIL  " + (r.get("error") or "")
+    if r.get("absent"):
+        return head + "-     (no kernel in this family)"
+    if r["target"] in GPU_TARGETS:
+        parts = [f"{k['kernel']}: regs {k['registers']} smem {k['shared_bytes'] // 1024}K "
+                 f"spill {k['spills']} hgmma {k['hgmma']} hmma {k['hmma']} w{k['num_warps']}"
+                 for k in r["kernels"]]
+        return head + "ok    " + "; ".join(parts)
+    bundles = "; ".join(f"{k}: {v} bundles/step" for k, v in r.get("bundles", {}).items())
+    return head + "ok    " + bundles
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", default=",".join(TPU_TARGETS + GPU_TARGETS))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--sizes", default=",".join(SIZES))
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--bundles", action="store_true", help="TPU bundles per grid step (slower)")
+    p.add_argument("--json", help="write the rows here")
+    opts = p.parse_args(argv)
+    dump_dir = tempfile.mkdtemp(prefix="aot-llo-") if opts.bundles else None
+    tpu.init_env(dump_dir)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    for name in split(opts.cases):
+        if name not in CASES:
+            p.error(f"unknown case {name!r}; known: {sorted(CASES)}")
+    print(f"{'target':8s} {'size':10s} {'dtype':8s} {'case':22s} result")
+    rows = run(split(opts.targets), split(opts.cases), split(opts.sizes), split(opts.dtypes),
+               dump_dir)
+    missing = missing_cases()
+    for name in missing:
+        print(f"FAIL: family kernel {name!r} has no case in pallas_kernels/aot/cases.py")
+    failed = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(failed)}/{len(rows)} compiled")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if failed or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
