@@ -56,13 +56,25 @@ def test_slot_pressure_takes_speculative_states_before_older_firm_ones():
 
 def test_speculative_slot_never_evicts_a_firm_state():
     cache = make_cache(True, num_pages=512, num_slots=3)
-    for seed in range(3):  # three end states fill the pool; the last prompt_len - 1 found no room
-        serve(cache, _seq(10 + seed, 16), output=(5,))
+    for seed in range(3):  # three end states fill the pool; the 2nd and 3rd prompt_len - 1 find
+        serve(cache, _seq(10 + seed, 16), output=(5,))  # no slack (free + spec < held + 1)
     firm = set(cache.lru_state)
     assert len(firm) == 3 and not cache.lru_spec
-    assert cache.stats()["snapshots_skipped"] == 1
+    assert cache.stats()["snapshots_skipped"] == 2
     got = cache.alloc_speculative_slots(2)
     assert len(got) == 0 and set(cache.lru_state) == firm
+    cache.check_integrity()
+
+
+def test_speculative_slots_leave_room_for_the_slots_requests_hold():
+    cache = make_cache(True, num_pages=64, num_slots=10)
+    running = cache.alloc_slots(6)  # six requests run: the next admissions need about as many
+    assert len(cache.alloc_speculative_slots(3)) == 0  # free 4 < held 6
+    cache.free_slots(running[:4])
+    got = cache.alloc_speculative_slots(3)  # free 8, held 2: 3 granted, 5 >= 2 left
+    assert len(got) == 3 and cache.spec_slots == set(got.tolist())
+    assert len(cache.alloc_speculative_slots(9)) == 0  # free 5, held 5: nothing to spare
+    cache.free_slots(np.concatenate([running[4:], got]))
     cache.check_integrity()
 
 
@@ -134,14 +146,28 @@ def test_integrity_catches_broken_speculative_bookkeeping():
     with pytest.raises(AssertionError, match="marked speculative"):
         cache.check_integrity()
     cache.spec_slots.clear()
-    end = next(n for n in cache.lru_state if not n.spec)
-    parent = node
-    cache._drop_state(parent)
-    parent.spec = True  # a speculative tombstone
+    cache.check_integrity()
+    serve(cache, _seq(9, 10) + [1, 2], output=(5,))  # node 10 becomes a branch point
+    branch = _node_at(cache, _seq(9, 10))
+    assert len(branch.children) == 2 and branch.slot is not None
+    cache._drop_state(branch)
+    branch.spec = True  # a speculative tombstone
     with pytest.raises(AssertionError, match="speculative without a state"):
         cache.check_integrity()
-    parent.spec = False
-    assert end.slot is not None
+    branch.spec = False
+    cache.check_integrity()
+
+
+def test_dropped_state_folds_its_node_into_the_only_child():
+    cache = make_cache(True, num_pages=64, num_slots=8)
+    p = _seq(13, 20)
+    serve(cache, p, output=(5, 6))  # speculative state at 19, end at 21
+    spec = _node_at(cache, p[:19])
+    end = next(iter(spec.children.values()))
+    assert cache.evict_slots(1) == 1  # the speculative one
+    assert not spec.alive and end.alive and end.parent.parent is None
+    assert end.depth == 21 and len(end.key) == 21 and len(end.pages) == 21
+    assert cache.match_prefix(p + [5, 6]).cached_len == 21
     cache.check_integrity()
 
 

@@ -57,11 +57,12 @@ def test_end_snapshot_position():
 
 
 def test_assign_prefers_branch_and_last_and_counts_skips():
-    cache = make_cache(True, num_pages=64, num_slots=2, page_size=1)
+    # 3 slots: the branch point takes one; speculative ones keep free >= held: one more
+    cache = make_cache(True, num_pages=64, num_slots=3, page_size=1)
     got = assign_snapshot_slots(cache, [10, 20, 30, 49], branch_len=20, prompt_len=50)
     assert sorted(got) == [20, 49]
     assert cache.stats()["snapshots_skipped"] == 2
-    assert cache.slots.num_held == 2
+    assert cache.slots.num_held == 2 and cache.spec_slots == {got[49]}
     cache.check_integrity()
 
 

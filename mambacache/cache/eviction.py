@@ -21,6 +21,9 @@ Pass ``alpha`` etc. through ``make_cache(..., eviction="flop_aware", alpha=2.0)`
 
 ``TreeEviction`` is the cache side (a mixin of ``MambaRadixCache``): ``evict_pages(n)`` /
 ``evict_slots(n)`` loop over the policy's candidates until ``n`` are free or nothing is evictable.
+A state dropped from a node with one child folds the node into that child (no chains of
+tombstones).
+
 Speculative states (``Node.spec``) come before any policy: ``evict_slots`` first drops unlocked
 speculative states, least recently used first (``cache.lru_spec``), and only then asks the
 policy; KV eviction treats an unlocked speculative state like a tombstone (removing a leaf goes on
@@ -30,6 +33,8 @@ upward through it), so a speculative state never keeps KV that the tree without 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from mambacache.cache.node import Node
@@ -231,6 +236,23 @@ class TreeEviction:
             node.spec = False
         node.slot = None
         self.counters["snapshots_evicted"] += 1
+        if len(node.children) == 1:
+            self._merge_into_child(node)
+
+    def _merge_into_child(self, node: Node) -> None:
+        """Fold a tombstone with one child into that child (which keeps its identity, state,
+        locks and recency), so paths do not grow a node per dropped state. The tombstone's
+        ``full_lock_ref`` equals the child's, so the locked-page count is unchanged."""
+        (child,) = node.children.values()
+        parent = node.parent
+        child.key = np.concatenate([node.key, child.key])
+        child.pages = np.concatenate([node.pages, child.pages])
+        child.parent = parent
+        child.first_page = node.first_page
+        parent.children[node.first_page] = child
+        del self.lru_all[node]
+        node.alive = False
+        node.children = {}
 
     def _remove_leaf(self, node: Node) -> int:
         """Remove an unlocked leaf whole, then childless tombstones upward; returns pages freed."""

@@ -119,5 +119,8 @@ def check_tree(cache: Any) -> None:
     _same_ids("state slots", [np.array(slot_ids, np.int64)], cache.slots)
     if cache.locked_pages() != locked_pages:
         _fail(f"locked pages counter {cache.locked_pages()} != recount {locked_pages}")
+    spec_locked = sum(1 for n in speculative if n.mamba_lock_ref > 0)
+    if cache._locked_spec != spec_locked:
+        _fail(f"locked speculative counter {cache._locked_spec} != recount {spec_locked}")
     if cache.locked_slots() != locked_slots:
         _fail(f"locked slots counter {cache.locked_slots()} != recount {locked_slots}")

@@ -67,6 +67,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         self.spec_slots: set[int] = set()  # HELD slots that insert makes speculative states
         self._locked_pages = 0  # pages of nodes with full_lock_ref > 0
         self._locked_slots = 0  # slots of nodes with mamba_lock_ref > 0
+        self._locked_spec = 0  # of those, speculative ones
 
     # --------------------------------------------------------------------------- counts
     def evictable_pages(self) -> int:
@@ -123,13 +124,27 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         return path, pos, None, 0
 
     # --------------------------------------------------------------------------- speculative
+    def evictable_speculative_slots(self) -> int:
+        return len(self.lru_spec) - self._locked_spec
+
     def alloc_speculative_slots(self, num: int, evict: int | None = None) -> np.ndarray:
         """``int32[k]``, ``k <= num``: slots for speculative snapshots, from the free list and
         from evicting at most ``evict`` (default ``num``) unlocked speculative states, oldest
         first; never a firm state. The slots are marked: ``insert`` keeps them as speculative
-        states."""
-        short = min(num - self.slots.num_free, num if evict is None else evict)
-        if short > 0 and self.lru_spec:
+        states.
+
+        Slack rule: a held speculative slot cannot be evicted while its request runs, so after
+        the grant the free + evictable speculative slots must still be at least the slots held
+        by requests before it (a proxy for what the next admissions need): fewer or none are
+        granted otherwise, and the next running slot never pushes out a firm state for them.
+        """
+        free = self.slots.num_free
+        spec = self.evictable_speculative_slots()
+        num = min(num, free + spec - self.slots.num_held)
+        if num <= 0:
+            return _EMPTY
+        short = min(num - free, num if evict is None else evict)
+        if short > 0:
             self._evict_speculative(short)
         got = self.slots.alloc(min(num, self.slots.num_free))
         if len(got):
@@ -145,6 +160,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         """A hit or a divergence showed that ``node``'s speculative state pays: keep it as firm."""
         node.spec = False
         del self.lru_spec[node]
+        self._locked_spec -= node.mamba_lock_ref > 0
         self.counters["snapshots_promoted"] += 1
 
     def _touch(self, node: Node) -> None:
@@ -181,6 +197,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
             raise ValueError(f"lock: {node!r} is {'evicted' if not node.alive else 'a tombstone'}")
         if node.mamba_lock_ref == 0:
             self._locked_slots += 1
+            self._locked_spec += node.spec
         node.mamba_lock_ref += 1
         while node.parent is not None:
             if node.full_lock_ref == 0:
@@ -196,6 +213,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         node.mamba_lock_ref -= 1
         if node.mamba_lock_ref == 0:
             self._locked_slots -= 1
+            self._locked_spec -= node.spec
         while node.parent is not None:
             node.full_lock_ref -= 1
             if node.full_lock_ref == 0:
