@@ -1,4 +1,5 @@
-"""Benchmark workloads: one frozen dataclass per ``[workload]`` kind, each a request source.
+"""Benchmark workloads: one frozen dataclass per ``[workload]`` kind, each a request source
+(``sharegpt``, real conversations, lives in ``sharegpt.py``).
 
 A source hands out ``BenchItem``s (token-id prompts and an output length) up front
 (``start``), and may follow a finished item with another (``follow_up``: the next turn of a
@@ -265,6 +266,15 @@ WORKLOADS: dict[str, type] = {
     "branching": Branching,
     "trace": Trace,
 }
+
+
+def _register_sharegpt() -> None:
+    from mambacache.bench.sharegpt import ShareGPTChat  # imports this module only when called
+
+    WORKLOADS["sharegpt"] = ShareGPTChat
+
+
+_register_sharegpt()
 
 
 def workload_from_dict(data: dict[str, Any]) -> Any:
