@@ -21,6 +21,7 @@ from test_parity import (
     run_prefill,
     run_split,
     split_prompts,
+    step_fn,
 )
 
 NAMES = ("nemotron_h", "granitemoehybrid")
@@ -52,3 +53,20 @@ def test_bf16_within_tolerance(name):
     assert_bf16_close(logits, exp["prefill_logits"])
     hf_mean = np.abs(exp["prefill_logits_bf16"] - exp["prefill_logits"]).mean()
     assert np.abs(logits - exp["prefill_logits"]).mean() < 2 * hf_mean + 0.01
+
+
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+def test_pallas_kernels_fp32(family, monkeypatch):
+    """The model on the Pallas SSD / conv / attention kernels of ``family`` (interpreted on CPU)
+    equals transformers like the references do: prefill, split prefill, 16 greedy steps."""
+    monkeypatch.setenv("PALLAS_FAMILY", family)
+    step_fn.cache_clear()  # compiled steps read PALLAS_FAMILY when tracing
+    cfg, params, exp = fixture("nemotron_h", "float32")
+    prompts = split_prompts(exp)
+    split = run_split(params, cfg, prompts, exp["split_points"], jnp.float32, kernels="pallas")
+    assert max_err(split, exp["split_logits"]) < FP32_TOL
+    steps = exp["greedy_tokens"].shape[1]
+    tokens, logits = run_greedy(params, cfg, prompts, steps, jnp.float32, kernels="pallas")
+    np.testing.assert_array_equal(tokens, exp["greedy_tokens"])
+    assert max_err(logits, exp["greedy_logits"]) < FP32_TOL
+    step_fn.cache_clear()

@@ -12,8 +12,11 @@ import jax
 import numpy as np
 import pytest
 
+from pallas_kernels import ops
+from pallas_kernels.gpu import ssd as gpu_ssd
 from pallas_kernels.reference import ssd as ref
 from pallas_kernels.testing import ragged_case
+from pallas_kernels.tpu import ssd as tpu_ssd
 
 H, P, G, N = 4, 8, 2, 16
 
@@ -56,7 +59,6 @@ CASES = {
 
 @functools.cache
 def extend_fn(impl: str):
-    from pallas_kernels import ops
     return jax.jit(functools.partial(ops.ssd_extend, impl=impl))
 
 
@@ -88,7 +90,6 @@ def test_decode_equals_one_token_extend():
     rng = np.random.default_rng(1)
     case = ragged_case(rng, (1, 1, 1), num_tokens=3, num_seqs=3)
     inp = ssd_inputs(rng, 3, case.num_slots)
-    from pallas_kernels import ops
     y1, pool1 = ops.ssd_decode(**inp, read_slot=case.read_slot, write_slot=case.write_slot,
                                impl="reference")
     y2, pool2 = extend_fn("reference")(
@@ -109,3 +110,40 @@ def test_shape_errors_name_the_shapes():
     inp["b"] = inp["b"][:, :, :5]
     with pytest.raises(ValueError, match="C shape"):
         ref.check_ssd(**inp)
+
+
+FAMILIES = {"tpu": tpu_ssd, "gpu": gpu_ssd}
+
+
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_extend_equals_reference_snapshot_at_every_offset(family, name):
+    """Interpreted kernel == reference: outputs, finals and a snapshot at every offset of every
+    request (chunks of 8 / 16: offsets inside chunks, on boundaries, 0 and the full length)."""
+    mod = FAMILIES[family]
+    lens, num_tokens, num_seqs = CASES[name]
+    rng = np.random.default_rng(4)
+    snaps = [(i, off) for i, n in enumerate(lens) for off in range(n + 1)]
+    case = ragged_case(rng, lens, num_tokens=num_tokens, num_seqs=num_seqs, snapshots=snaps)
+    inp = ssd_inputs(rng, num_tokens, case.num_slots)
+    idx = dict(cu_seqlens=case.cu_seqlens, read_slot=case.read_slot, write_slot=case.write_slot,
+               snap_seq=case.snap_seq, snap_offset=case.snap_offset, snap_slot=case.snap_slot)
+    y_ref, pool_ref = extend_fn("reference")(**inp, **idx)
+    chunk = 8 if family == "tpu" else 16  # Triton tiles: powers of two >= 16
+    y, pool = mod.ssd_extend(**inp, **idx, chunk_size=chunk, interpret=True)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool_ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+def test_kernel_decode_equals_reference(family):
+    mod = FAMILIES[family]
+    rng = np.random.default_rng(5)
+    case = ragged_case(rng, (1, 1, 1), num_tokens=4, num_seqs=4)  # one padding row (slot 0)
+    inp = ssd_inputs(rng, 4, case.num_slots)
+    y_ref, pool_ref = ops.ssd_decode(**inp, read_slot=case.read_slot,
+                                     write_slot=case.write_slot, impl="reference")
+    y, pool = mod.ssd_decode(**inp, read_slot=case.read_slot, write_slot=case.write_slot,
+                             interpret=True)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool_ref), rtol=1e-5, atol=1e-5)
