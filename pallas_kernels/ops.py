@@ -35,6 +35,7 @@ from pallas_kernels._common import interpret_default
 from pallas_kernels.gpu import causal_conv1d as _gpu_conv
 from pallas_kernels.gpu import gated_delta_rule as _gpu_gdr
 from pallas_kernels.gpu import paged_attention as _gpu_attn
+from pallas_kernels.gpu import ssd as _gpu_ssd
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode as _gpu_gdr_decode
 from pallas_kernels.reference import causal_conv1d as _conv_ref
 from pallas_kernels.reference import gated_delta_rule as _gdr_ref
@@ -44,6 +45,7 @@ from pallas_kernels.reference import ssd as _ssd_ref
 from pallas_kernels.tpu import causal_conv1d as _conv
 from pallas_kernels.tpu import gated_delta_rule as _gdr
 from pallas_kernels.tpu import paged_attention as _attn
+from pallas_kernels.tpu import ssd as _tpu_ssd
 from pallas_kernels.tpu.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
 
 IMPLS = ("pallas", "reference")
@@ -51,12 +53,14 @@ FAMILIES = {
     "tpu": SimpleNamespace(gdr_extend=_gdr.gated_delta_rule_extend, gdr_decode=_gdr_decode,
                            conv_extend=_conv.causal_conv1d_extend,
                            conv_decode=_conv.causal_conv1d_decode,
-                           paged_attention=_attn.paged_attention),
+                           paged_attention=_attn.paged_attention,
+                           ssd_extend=_tpu_ssd.ssd_extend, ssd_decode=_tpu_ssd.ssd_decode),
     "gpu": SimpleNamespace(gdr_extend=_gpu_gdr.gated_delta_rule_extend,
                            gdr_decode=_gpu_gdr_decode,
                            conv_extend=_gpu_conv.causal_conv1d_extend,
                            conv_decode=_gpu_conv.causal_conv1d_decode,
-                           paged_attention=_gpu_attn.paged_attention),
+                           paged_attention=_gpu_attn.paged_attention,
+                           ssd_extend=_gpu_ssd.ssd_extend, ssd_decode=_gpu_ssd.ssd_decode),
 }
 
 
@@ -244,18 +248,10 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
     specs = (_HEADS, _REP, _REP, _REP, _REP)
     return _on_mesh(fn, mesh, specs, _HEADS)(*args)
 
-def _ssd_fn(impl: str, name: str, reference):
-    """The family's SSD kernel ``name``, or ``reference`` for impl "reference"; a family
-    without one is a ``ValueError`` (never a silent fallback)."""
-    if impl == "pallas" and not hasattr(FAMILIES[kernel_family()], name):
-        raise ValueError(f"no Pallas {name} kernel in family {kernel_family()!r} yet; "
-                         "run the Mamba2 families with kernels='reference'")
-    return _kernel(impl, name) or reference
-
-
 def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None):
-    """Mamba2 (SSD) prefill. x ``[T, H, P]``; dt ``[T, H]`` f32 (after softplus and clamp); a
+    """Mamba2 (SSD) prefill (kernels ``tpu/ssd.py``, ``gpu/ssd.py``). x ``[T, H, P]``; dt
+    ``[T, H]`` f32 (after softplus and clamp); a
     (``-exp(A_log)``), d ``[H]`` f32; b, c ``[T, G, N]`` (heads ``g*H/G ..`` share group g);
     ssm_pool ``[S, H, N, P]`` f32. Returns ``(y [T, H, P] in x.dtype, ssm_pool)`` with
     ``y = h^T C + D x``; finals and snapshots at any offset as ``gated_delta_rule_extend``.
@@ -263,7 +259,7 @@ def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, s
     divides G, so each device's heads are exactly its groups' heads)."""
     args = _arrays((x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    fn = _ssd_fn(impl, "ssd_extend", _ssd_ref.ssd_extend_reference)
+    fn = _kernel(impl, "ssd_extend") or _ssd_ref.ssd_extend_reference
     vec = P(TP_AXIS)
     specs = (_HEADS, _HEADS, vec, _HEADS, _HEADS, vec, _POOL_HEADS) + (_REP,) * 6
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
@@ -274,7 +270,7 @@ def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, impl: str,
     """Mamba2 recurrent step, one token per sequence: shapes as ``ssd_extend`` with ``T = B``.
     Returns ``(y, ssm_pool)``. With ``mesh``: split as in ``ssd_extend``."""
     args = _arrays((x, dt, a, b, c, d, ssm_pool, read_slot, write_slot))
-    fn = _ssd_fn(impl, "ssd_decode", _ssd_ref.ssd_decode_reference)
+    fn = _kernel(impl, "ssd_decode") or _ssd_ref.ssd_decode_reference
     vec = P(TP_AXIS)
     specs = (_HEADS, _HEADS, vec, _HEADS, _HEADS, vec, _POOL_HEADS, _REP, _REP)
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
