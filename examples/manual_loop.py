@@ -11,10 +11,10 @@ import functools
 import jax
 import numpy as np
 
-from mambacache.engine.batch import SeqSpec, build_forward_batch
-from mambacache.engine.pools import PoolState
 from mambacache.cache.radix import make_cache
 from mambacache.cache.snapshot_plan import assign_snapshot_slots, plan_snapshots
+from mambacache.engine.batch import SeqSpec, build_forward_batch
+from mambacache.engine.pools import PoolState
 from models.model import forward
 from models.params import init_params
 from models.presets import get_preset

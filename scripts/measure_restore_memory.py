@@ -1,7 +1,7 @@
 """Per-device peak memory of restoring an Orbax model onto a TP mesh, vs restoring it whole first.
 
-Each (TP, mode) runs in a fresh subprocess: ``mambacache.parallel.device_memory.measure_restore`` reports
-each device's peak of live jax buffers (sampled at every device-array creation point) and,
+Each (TP, mode) runs in a fresh subprocess: ``mambacache.parallel.device_memory.measure_restore``
+reports each device's peak of live jax buffers (sampled at every device-array creation point) and,
 on GPU/TPU, the allocator's ``peak_bytes_in_use``; the process's peak RSS is printed beside it
 (on CPU all forced devices and Orbax's host staging buffers share that one process).
 

@@ -97,11 +97,11 @@ def test_failing_step_fails_its_requests_only(monkeypatch):
     real_run = engine.runner.run
     calls = []
 
-    def failing_run(seqs, params, steps):
-        calls.append(len(seqs))
+    def failing_run(scheduled):
+        calls.append(len(scheduled))
         if len(calls) == 1:
             raise RuntimeError("kernel exploded")
-        return real_run(seqs, params, steps)
+        return real_run(scheduled)
 
     monkeypatch.setattr(engine.runner, "run", failing_run)
     failed = engine.step()

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from mambacache.config import CacheConfig
 from mambacache.bench.simulate import (
     identical_prompt_trace,
     load_trace,
@@ -15,6 +14,7 @@ from mambacache.bench.simulate import (
     simulate,
     write_trace,
 )
+from mambacache.config import CacheConfig
 
 KEYS = ("prompt_tokens", "cached_tokens", "hit_rate", "us_per_request", "snapshots_kept",
         "snapshots_skipped", "snapshots_evicted", "peak_token_usage", "peak_mamba_usage")
@@ -79,6 +79,7 @@ def test_host_modules_import_no_jax():
     import subprocess
     import sys
 
-    code = ("import sys, mambacache.bench.simulate, mambacache.cache.radix, mambacache.cache.snapshot_plan, "
-            "mambacache.cache.allocator, mambacache.cache.disabled; assert 'jax' not in sys.modules")
+    code = ("import sys, mambacache.bench.simulate, mambacache.cache.radix, "
+            "mambacache.cache.snapshot_plan, mambacache.cache.allocator, mambacache.cache.disabled;"
+            " assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

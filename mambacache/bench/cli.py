@@ -25,6 +25,7 @@ import numpy as np
 
 from mambacache.bench.report import format_table, ratios, write_json, write_plot
 from mambacache.bench.runner import BenchSection, run_pass
+from mambacache.bench.workloads import workload_from_dict
 from mambacache.config import (
     EngineConfig,
     apply_overrides,
@@ -32,7 +33,6 @@ from mambacache.config import (
     parse_set_args,
     read_toml,
 )
-from mambacache.bench.workloads import workload_from_dict
 
 MODES = {"cache_on": True, "cache_off": False}
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.engine.sampling_params import SamplingParams
 from mambacache.bench.workloads import BenchItem, IdealHits, check_ints
+from mambacache.engine.sampling_params import SamplingParams
 
 ARRIVALS = ("all", "poisson")
 

@@ -4,16 +4,17 @@
         [--set cache.page_size=16] [--concurrency 8] [--out result.json] [--check-integrity]
 
 A trace is JSON Lines, one request a line: ``{"prompt": [ids...], "output": [ids...]}``; the
-``output`` plays the part of what the model generated. Each request goes through the engine's
-lifecycle: ``match_prefix`` -> ``lock`` -> running slot + KV pages (``alloc_*``, evicting under
-pressure) -> ``plan_snapshots`` + ``assign_snapshot_slots`` -> on finish ``insert`` (prompt +
-output[:-1], the planned snapshots, the running slot as the end snapshot when aligned) ->
-``unlock``. ``--concurrency N`` keeps N requests in flight (admitted in order; the oldest finishes
-first). A request that cannot be admitted waits for a running one to finish; one that cannot fit
-even alone is dropped and counted.
+``output`` plays the part of what the model generated. The requests go through the engine
+itself (``Engine`` + ``Scheduler`` + the radix cache): admission, chunked prefill, in-batch
+dedup, page-boundary snapshots, preemption, finish; only the model is replaced, by the shadow
+runner (``mambacache.engine.shadow_runner``), which computes nothing but checks every state and
+KV read against the token prefix it needs. So the hit rates are the engine's, and a scheduling
+bug is an error here too. ``--concurrency N`` is ``scheduler.max_running_requests``; every request
+is queued at once. One that can never fit the pools is dropped and counted.
 
 Result keys: ``prompt_tokens``, ``cached_tokens``, ``hit_rate``, ``us_per_request`` (median host
-time of a request's cache calls), ``snapshots_kept``, ``snapshots_skipped``,
+time of a request: the engine's host time per step, scheduling and cache, without the shadow
+runner's checks, shared by the requests in the step), ``snapshots_kept``, ``snapshots_skipped``,
 ``snapshots_evicted``, ``peak_token_usage`` / ``peak_mamba_usage`` (peak fraction of the pool
 protected: held by requests or locked in the tree), and a few more.
 Trace helpers: ``shared_prefix_trace``, ``identical_prompt_trace``, ``write_trace``,
@@ -26,20 +27,15 @@ import argparse
 import dataclasses
 import json
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mambacache.config import CacheConfig, EngineConfig, parse_set_args
-from mambacache.cache.radix import make_cache_from_config
-from mambacache.cache.snapshot_plan import (
-    assign_snapshot_slots,
-    end_snapshot_is_running_state,
-    end_snapshot_position,
-    plan_snapshots,
-)
+from mambacache.engine.engine import Engine
+from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.shadow_runner import ShadowRunner
 
 
 # ------------------------------------------------------------------------------- traces
@@ -86,111 +82,83 @@ def load_trace(path: str | Path) -> list[dict[str, list[int]]]:
 
 
 # ------------------------------------------------------------------------------- replay
-@dataclasses.dataclass(slots=True)
-class _Running:
-    prompt_len: int
-    tokens: np.ndarray  # int32: prompt + output[:-1], the tokens the model processes
-    match: Any
-    running_slot: int
-    pages: np.ndarray  # int32: cached pages + own pages, covering ``tokens``
-    snapshots: dict[int, int]
-    host_s: float
+def _engine_config(cfg: CacheConfig | EngineConfig, concurrency: int,
+                   check_integrity: bool) -> EngineConfig:
+    base = cfg if isinstance(cfg, EngineConfig) else dataclasses.replace(EngineConfig(), cache=cfg)
+    sched = dataclasses.replace(base.scheduler, max_running_requests=concurrency,
+                                check_integrity_every_step=check_integrity)
+    return dataclasses.replace(base, scheduler=sched)
 
 
-def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, cfg: CacheConfig):
-    ps = cfg.page_size
-    m = cache.match_prefix(prompt)
-    cache.lock(m.node)
-    slot = cache.alloc_slots(1)
-    if slot is None:
-        cache.unlock(m.node)
-        return None
-    own = cache.alloc_pages(-(-len(tokens) // ps) - m.cached_len // ps)
-    if own is None:
-        cache.free_slots(slot)
-        cache.unlock(m.node)
-        return None
-    positions = plan_snapshots(len(prompt), m.cached_len, m.branch_len, ps,
-                               cfg.checkpoint_interval)
-    snaps = assign_snapshot_slots(cache, positions, m.branch_len, len(prompt), ps)
-    pages = np.concatenate([m.page_ids, own]) if len(m.page_ids) else own
-    return _Running(len(prompt), tokens, m, int(slot[0]), pages, snaps, 0.0)
+def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConfig,
+             concurrency: int = 1, check_integrity: bool = False) -> dict[str, Any]:
+    """Replay ``requests`` through the engine's own scheduler and cache on the shadow runner
+    (every read checked against the prefix it needs); returns the result dict.
 
-
-def _finish(cache: Any, r: _Running, page_size: int) -> None:
-    total = len(r.tokens) + 1
-    snaps = r.snapshots  # the request's own dict: insert takes it over
-    end = end_snapshot_position(total, page_size)
-    if end_snapshot_is_running_state(total, page_size) and end not in snaps:
-        snaps[end] = r.running_slot
-    else:
-        cache.free_slots(np.array([r.running_slot], dtype=np.int32))
-    cache.insert(r.tokens, r.pages, snaps)
-    cache.unlock(r.match.node)
-
-
-def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig, concurrency: int = 1,
-             check_integrity: bool = False) -> dict[str, Any]:
-    """Replay ``requests`` through a cache built from ``cfg``; returns the result dict."""
+    ``cfg``: the cache section alone, or a whole ``EngineConfig`` (its ``[scheduler]`` section
+    then sets the chunk size). ``concurrency`` is ``scheduler.max_running_requests``; all
+    requests are queued at once and admitted in order.
+    """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    cache = make_cache_from_config(cfg)
-    queue = deque()
+    ecfg = _engine_config(cfg, concurrency, check_integrity)
+    outputs: dict[int, list[int]] = {}
+    vocab = 1 + max(max(r["prompt"] + list(r["output"]) + [0]) for r in requests) \
+        if requests else 1
+    runner = ShadowRunner.for_config(
+        ecfg, vocab_size=vocab,
+        outputs=lambda rid, step: outputs[rid][step] if step < len(outputs[rid]) else None)
+    engine = Engine(ecfg, runner=runner)
+    dropped = 0
     for r in requests:
-        prompt = np.asarray(r["prompt"], dtype=np.int32)
-        out = np.asarray(r["output"], dtype=np.int32)
-        tokens = np.concatenate([prompt, out[:-1]]) if len(out) else prompt[:-1].copy()
-        queue.append((prompt, tokens if len(tokens) else prompt))
-    running: deque[_Running] = deque()
-    times, cached, prompt_tokens, dropped = [], 0, 0, 0
-    peak_tok = peak_mamba = 0.0
-    waited = 0.0
-    while queue or running:
-        while queue and len(running) < concurrency:
-            t0 = time.perf_counter()
-            r = _admit(cache, *queue[0], cfg)
-            t1 = time.perf_counter()
-            if r is None:
-                waited += t1 - t0
-                if running:
-                    break
-                dropped += 1
-                queue.popleft()
-                continue
-            queue.popleft()
-            r.host_s, waited = t1 - t0 + waited, 0.0
-            running.append(r)
-            cached += r.match.cached_len
-            prompt_tokens += r.prompt_len
-            peak_tok = max(peak_tok, (cache.pages.num_held + cache.locked_pages())
-                           / cache.pages.num_ids)
-            peak_mamba = max(peak_mamba, (cache.slots.num_held + cache.locked_slots())
-                             / cache.slots.num_ids)
-        if not running:
-            break
-        r = running.popleft()
-        t0 = time.perf_counter()
-        _finish(cache, r, cfg.page_size)
-        times.append(r.host_s + time.perf_counter() - t0)
-        if check_integrity:
-            cache.check_integrity()
-    stats = cache.stats()
+        params = SamplingParams(max_new_tokens=max(len(r["output"]), 1), ignore_eos=True)
+        try:
+            outputs[engine.add_request(r["prompt"], params)] = list(r["output"])
+        except ValueError:  # can never fit the pools: dropped and counted
+            dropped += 1
+    host = _drive(engine)
+    m = engine.metrics()
+    stats = engine.cache.stats()
+    per_request = np.asarray(list(host.values()))
     return {
-        "num_requests": len(times),
+        "num_requests": len(host),
         "requests_dropped": dropped,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
-        "us_per_request": float(np.median(times)) * 1e6 if times else 0.0,
-        "us_per_request_mean": float(np.mean(times)) * 1e6 if times else 0.0,
+        "prompt_tokens": m["prompt_tokens"],
+        "cached_tokens": m["cached_tokens"],
+        "hit_rate": m["hit_rate"],
+        "computed_prefill_tokens": m["computed_prefill_tokens"],
+        "us_per_request": float(np.median(per_request)) * 1e6 if host else 0.0,
+        "us_per_request_mean": float(np.mean(per_request)) * 1e6 if host else 0.0,
+        "steps": m["num_steps"],
+        "preemptions": m["preemptions"],
+        "decode_program_share": m["decode_program_share"],
         "snapshots_kept": stats["snapshots_kept"],
         "snapshots_skipped": stats["snapshots_skipped"],
         "snapshots_rejected": stats["snapshots_rejected"],
         "snapshots_evicted": stats["snapshots_evicted"],
         "pages_evicted": stats["pages_evicted"],
-        "peak_token_usage": peak_tok,
-        "peak_mamba_usage": peak_mamba,
+        "peak_token_usage": m["peak_token_usage"],
+        "peak_mamba_usage": m["peak_mamba_usage"],
     }
+
+
+def _drive(engine: Engine) -> dict[int, float]:
+    """Step ``engine`` until idle; each step's host time (scheduling + cache, not the shadow
+    runner's checks) is shared equally by the requests in it. Returns seconds per request."""
+    host: dict[int, float] = {}
+    runner = engine.runner
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        r0 = runner.run_s
+        before = engine.scheduler.progress_marker()
+        engine.step()
+        rows = runner.last_request_ids
+        share = (time.perf_counter() - t0 - (runner.run_s - r0)) / max(len(rows), 1)
+        for rid in rows:
+            host[rid] = host.get(rid, 0.0) + share
+        if engine.scheduler.progress_marker() == before:
+            raise RuntimeError(f"simulation made no progress: {engine.scheduler.describe()}")
+    return host
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -202,11 +170,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the result JSON here")
     ap.add_argument("--check-integrity", action="store_true",
-                    help="run cache.check_integrity() after every request (slow)")
+                    help="check the step invariants and the engine's integrity every step")
     args = ap.parse_args(argv)
     cfg = EngineConfig.load(args.config, overrides=parse_set_args(args.sets))
-    result = simulate(load_trace(args.trace), cfg.cache, args.concurrency, args.check_integrity)
+    result = simulate(load_trace(args.trace), cfg, args.concurrency, args.check_integrity)
     result["config"] = dataclasses.asdict(cfg.cache)
+    result["scheduler"] = dataclasses.asdict(cfg.scheduler)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

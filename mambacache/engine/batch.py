@@ -16,6 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mambacache.engine.step_plan import SeqSpec
+
+__all__ = ["ForwardBatch", "SeqSpec", "build_forward_batch"]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -58,24 +62,6 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return int(self.read_slot.shape[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class SeqSpec:
-    """Host description of one sequence in a step (used to build a ``ForwardBatch``).
-
-    ``prefix_len`` tokens are already in the KV pages and in the state at ``read_slot``;
-    ``tokens`` are the extend. ``page_ids`` must cover ``prefix_len + len(tokens)`` tokens (more
-    are ignored).
-    """
-
-    tokens: Sequence[int]
-    prefix_len: int
-    page_ids: Sequence[int]
-    read_slot: int
-    write_slot: int
-    snapshots: Sequence[tuple[int, int]] = ()  # (offset in extend, dest slot)
-    logits: str = "last"  # "last", "all" or "none"
 
 
 def build_forward_batch(seqs: Sequence[SeqSpec], page_size: int, *, num_tokens: int | None = None,

@@ -26,9 +26,10 @@ def validate_request(prompt: Sequence[int] | np.ndarray, params: SamplingParams,
         raise ValueError(f"prompt token ids must be integers, got dtype {arr.dtype}")
     vocab = model_cfg.vocab_size
     for name, ids in (("prompt token id", arr), ("stop token id", params.stop_token_ids)):
-        bad = [int(t) for t in np.asarray(ids, np.int64).reshape(-1) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name} {bad[0]} outside the vocabulary [0, {vocab})")
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ValueError(f"{name} {int(bad[0])} outside the vocabulary [0, {vocab})")
     total = arr.size + params.max_new_tokens
     max_pos = model_cfg.max_position_embeddings
     if total > max_pos:
@@ -56,12 +57,13 @@ def check_engine_integrity(engine: Any) -> None:
             raise AssertionError(f"request {req.request_id} in the running list is {req.status}")
         held_slots.append(req.running_slot)
         held_slots.extend(req.pending_snapshots.values())
-        held_pages.extend(req.own_page_ids)
+        held_pages.extend(req.own_page_ids.tolist())
         if len(req.page_ids) * page_size < req.num_computed:
             raise AssertionError(f"request {req.request_id}: {len(req.page_ids)} pages cannot hold "
                                  f"{req.num_computed} computed tokens")
     for req in sched.waiting:
-        if req.status is not Status.WAITING or req.running_slot is not None or req.own_page_ids:
+        holds = req.running_slot is not None or len(req.own_page_ids)
+        if req.status is not Status.WAITING or holds:
             raise AssertionError(f"waiting request {req.request_id} holds resources")
     for name, held, alloc in (("slot", held_slots, cache.slots), ("page", held_pages, cache.pages)):
         mine = np.sort(np.asarray(held, np.int64))

@@ -13,22 +13,27 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
+from mambacache.cache.radix import make_cache
 from mambacache.config import EngineConfig
 from mambacache.engine.checks import check_engine_integrity, validate_request
 from mambacache.engine.metrics import EngineMetrics
-from mambacache.engine.runner import ModelRunner, to_numpy
-from mambacache.engine.pools import PoolState
-from mambacache.cache.radix import make_cache
 from mambacache.engine.request import Request, RequestOutput, Status
 from mambacache.engine.sampling_params import SamplingParams
-from mambacache.engine.scheduler import ScheduledSeq, Scheduler
+from mambacache.engine.scheduler import Scheduler
+from mambacache.engine.step_plan import ScheduledSeq
+
+#: consecutive steps that schedule nothing while requests are unfinished before ``generate``
+#: gives up (the scheduler is deterministic: one such step already means none will follow).
+MAX_IDLE_STEPS = 2
 
 
 def model_dtype(cfg: EngineConfig) -> Any:
     """The JAX dtype of ``model.dtype`` (params, KV pages and conv states; SSM states are fp32)."""
+    import jax.numpy as jnp
+
     return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
 
 
@@ -60,11 +65,31 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig | None = None, *, model: tuple[Any, Any] | None = None):
-        """``model``: an already loaded ``(model_cfg, params)`` to share between engines."""
+    def __init__(self, cfg: EngineConfig | None = None, *, model: tuple[Any, Any] | None = None,
+                 runner: Any = None):
+        """``model``: an already loaded ``(model_cfg, params)`` to share between engines.
+        ``runner``: a runner to use instead of the model's (``ShadowRunner``: no model, no
+        device; its ``model_cfg`` gives the vocabulary and context length)."""
         self.cfg = cfg = cfg if cfg is not None else EngineConfig()
-        self.model_cfg, params = model if model is not None else load_model(cfg)
         self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
+        if runner is not None:
+            self.model_cfg, self.runner = runner.model_cfg, runner
+        else:
+            self.model_cfg, params = model if model is not None else load_model(cfg)
+            self.runner = self._model_runner(params)
+        self.scheduler = Scheduler(cfg, self._new_cache())
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self.stats = EngineMetrics()
+        logging.info("engine ready: %s, %d KV pages of %d tokens, %d state slots, cache %s",
+                     type(self.runner).__name__, cfg.cache.num_pages, cfg.cache.page_size,
+                     cfg.cache.num_mamba_slots, "on" if cfg.cache.enable else "off")
+
+    def _model_runner(self, params: Any) -> Any:
+        from mambacache.engine.pools import PoolState
+        from mambacache.engine.runner import ModelRunner
+
+        cfg = self.cfg
         if cfg.parallel.tensor_parallel > 1:
             from mambacache.parallel.mesh import make_mesh, validate_tensor_parallel
 
@@ -80,10 +105,7 @@ class Engine:
             from mambacache.parallel.mesh import shard_engine
 
             shard_engine(self)
-        self.scheduler = Scheduler(cfg, self._new_cache())
-        self.requests: dict[int, Request] = {}
-        self._ids = itertools.count()
-        self.stats = EngineMetrics()
+        return self.runner
 
     def _pool_sharding(self):
         """Pools are created already sharded over the mesh (no whole pool on one device)."""
@@ -140,11 +162,15 @@ class Engine:
         rids = [self.add_request(p, sp, extra_key=k)
                 for p, sp, k in zip(prompts, params, keys, strict=True)]
         done: dict[int, RequestOutput] = {}
+        idle = 0
         while any(r not in done for r in rids):
+            before = self.scheduler.progress_marker()
             for out in self.step():
                 done[out.request_id] = out
-            if not self.has_unfinished() and any(r not in done for r in rids):
-                raise RuntimeError("engine idle with unfinished requests")
+            idle = idle + 1 if self.scheduler.progress_marker() == before else 0
+            if idle >= MAX_IDLE_STEPS or (not self.has_unfinished()
+                                          and any(r not in done for r in rids)):
+                raise RuntimeError(f"no progress in {idle} steps: {self.scheduler.describe()}")
         return [done[r] for r in rids]
 
     # ---- one step --------------------------------------------------------------------------
@@ -154,11 +180,12 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self.cfg.scheduler.check_integrity_every_step:
+            self.scheduler.check_step(scheduled)
         try:
-            tokens, logprobs = self.runner.run(
-                [s.spec for s in scheduled],
-                [s.req.params if s.samples else None for s in scheduled],
-                [len(s.req.output_ids) for s in scheduled])
+            tokens, logprobs = self.runner.run(scheduled)
+        except AssertionError:
+            raise  # a broken invariant (the shadow runner's data-flow check) is a bug: no retry
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests only
             return self._fail_step(scheduled, err)
         # Overlap: the step runs asynchronously; account progress and publish finished prefills
@@ -166,12 +193,13 @@ class Engine:
         for s in scheduled:
             self._advance(s)
         t_wait = time.perf_counter()
-        tokens, logprobs = to_numpy(tokens), to_numpy(logprobs)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         t_synced = time.perf_counter()
         finished = [out for i, s in enumerate(scheduled) if s.samples
                     and (out := self._append(s.req, int(tokens[i]), float(logprobs[i]), t_synced))]
-        self.stats.on_step(self, host_s=time.perf_counter() - t_start - (t_synced - t_wait),
-                           wall_s=time.perf_counter() - t_start)
+        now = time.perf_counter()
+        self.stats.on_step(self, scheduled, host_s=now - t_start - (t_synced - t_wait),
+                           wall_s=now - t_start)
         if self.cfg.scheduler.check_integrity_every_step:
             self.check_integrity()
         return finished
@@ -214,10 +242,13 @@ class Engine:
         if lost:
             victims += [r for r in self.scheduler.running if r not in victims]
         outs = []
+        logging.warning("step failed (%s: %s): %d requests fail%s", type(err).__name__, err,
+                        len(victims), ", pools lost: the cache starts empty" if lost else "")
         for req in victims:
             req.error = f"{type(err).__name__}: {err}"
             if lost:
                 self.scheduler.running.remove(req)
+                self.scheduler.num_finished += 1
                 req.status, req.finish_reason = Status.FINISHED, "error"
             else:
                 self.scheduler.finish(req, "error", keep=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mambacache.engine.step_plan import is_decode_step
+
 
 @dataclasses.dataclass
 class EngineMetrics:
@@ -18,14 +20,21 @@ class EngineMetrics:
     wall_s: float = 0.0
     peak_token_usage: float = 0.0
     peak_mamba_usage: float = 0.0
+    pure_decode_steps: int = 0  # steps whose every row is a decode token
+    decode_program_steps: int = 0  # of those, steps that ran the decode program
 
-    def on_step(self, engine: Any, *, host_s: float, wall_s: float) -> None:
+    def on_step(self, engine: Any, scheduled: list, *, host_s: float, wall_s: float) -> None:
         self.num_steps += 1
+        if all(s.end - s.start == 1 and s.start >= s.req.prompt_len for s in scheduled):
+            self.pure_decode_steps += 1
+            self.decode_program_steps += is_decode_step([s.spec for s in scheduled])
         self.host_s += host_s
         self.wall_s += wall_s
-        stats = engine.cache.stats()
-        self.peak_token_usage = max(self.peak_token_usage, stats["token_usage"])
-        self.peak_mamba_usage = max(self.peak_mamba_usage, stats["mamba_usage"])
+        c = engine.cache  # protected share of each pool (cache.stats()'s usage, without a dict)
+        tokens = (c.locked_pages() + c.pages.num_held) / c.pages.num_ids
+        states = (c.locked_slots() + c.slots.num_held) / c.slots.num_ids
+        self.peak_token_usage = max(self.peak_token_usage, tokens)
+        self.peak_mamba_usage = max(self.peak_mamba_usage, states)
 
     def on_finish(self, req: Any) -> None:
         self.finished_requests += 1
@@ -39,6 +48,8 @@ class EngineMetrics:
             hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             token_usage=stats["token_usage"], mamba_usage=stats["mamba_usage"],
             host_share=self.host_s / self.wall_s if self.wall_s else 0.0,
+            decode_program_share=(self.decode_program_steps / self.pure_decode_steps
+                                  if self.pure_decode_steps else None),
             programs_compiled=engine.runner.programs_compiled,
             preemptions=engine.scheduler.num_preemptions,
             snapshots_kept=stats.get("snapshots_kept", 0),

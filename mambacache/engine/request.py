@@ -6,13 +6,18 @@ Invariants (checked by ``Engine.check_integrity``):
   * ``pending_snapshots`` map positions (tokens) to slots planned for this request; those slots
     belong to the cache from the moment they are planned and are handed to it on insert;
   * ``num_computed`` tokens of ``token_ids`` have been fed through the model; the state in
-    ``running_slot`` is the state after exactly ``num_computed`` tokens once the first step ran.
+    ``state_slot`` (the running slot, or a page-boundary decode snapshot it planned) is the state
+    after exactly ``num_computed`` tokens once the first step ran (``state_valid``);
+  * a request goes through the decode path only when ``prefilled`` (its prefill's last chunk
+    ran); until then its snapshots are published as soon as they are written;
+  * every slot a request reads is its own or the state of ``match_node``, which it keeps locked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 from typing import Any
 
@@ -58,12 +63,13 @@ class Request:
     running_slot: int | None = None
     cached_page_ids: np.ndarray = dataclasses.field(
         default_factory=lambda: np.zeros(0, np.int32))
-    own_page_ids: list[int] = dataclasses.field(default_factory=list)
+    own_page_ids: np.ndarray = dataclasses.field(  # int32, pages this request allocated
+        default_factory=lambda: np.zeros(0, np.int32))
     pending_snapshots: dict[int, int] = dataclasses.field(default_factory=dict)
     snapshots_in_flight: set[int] = dataclasses.field(default_factory=set)  # scheduled positions
     num_computed: int = 0  # tokens fed through the model (cached ones included)
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
-    prefix_inserted: bool = False
+    prefilled: bool = False  # the chunk reaching the last token ran: decode from here on
     state_valid: bool = False  # state_slot holds the state after num_computed tokens
     state_slot: int | None = None  # running_slot, or a page-boundary snapshot just written
     finish_reason: str | None = None
@@ -72,6 +78,11 @@ class Request:
     first_token_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
+
+    @functools.cached_property
+    def prompt_bytes(self) -> bytes:
+        """The prompt's int32 bytes (prefix comparisons by slicing, without numpy calls)."""
+        return self.prompt.tobytes()
 
     @property
     def prompt_len(self) -> int:
@@ -95,7 +106,9 @@ class Request:
 
     @property
     def page_ids(self) -> np.ndarray:
-        return np.concatenate([self.cached_page_ids, np.asarray(self.own_page_ids, np.int32)])
+        if not len(self.cached_page_ids):
+            return self.own_page_ids
+        return np.concatenate([self.cached_page_ids, self.own_page_ids])
 
     def to_output(self) -> RequestOutput:
         now = time.perf_counter()

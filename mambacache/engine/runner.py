@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from mambacache.engine.batch import ForwardBatch, SeqSpec, build_forward_batch
+from mambacache.engine.batch import ForwardBatch, build_forward_batch
 from mambacache.engine.pools import PoolState
 from mambacache.engine.sampling import SamplingBatch, sample
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step
 from models.model import forward as model_forward
 from pallas_kernels import ops
 
@@ -60,10 +60,10 @@ def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str):
 
 def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
                         mesh: Any):
-    """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel.mesh``): params come
-    placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps, tokens and
-    logprobs come back with ``out_sh`` (replicated). The model runs every kernel op per device
-    in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
+    """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel.mesh``):
+    params come placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps,
+    tokens and logprobs come back with ``out_sh`` (replicated). The model runs every kernel op
+    per device in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
     return _jitted_sharded_step(cfg, kernels, decode, pool_sh, out_sh, mesh, ops.kernel_family())
 
 
@@ -113,14 +113,17 @@ class ModelRunner:
                     num_pages_per_seq=bucket(pages, MIN_PAGE_BUCKET),
                     num_snapshots=bucket(num_snaps, MIN_SNAPSHOT_BUCKET), num_logits=num_seqs)
 
-    def run(self, seqs: Sequence[SeqSpec], params: Sequence[SamplingParams | None],
-            steps: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-        """One step over ``seqs`` (each ``logits="last"``): sampled tokens and logprobs ``[B]``.
+    def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[jax.Array, jax.Array]:
+        """One step over ``scheduled`` (each ``logits="last"``): sampled tokens and logprobs
+        ``[B]``, still on the device (reading them is the sync point).
 
         A batch where every sequence extends by one token and takes no snapshot runs the decode
         program (``T == B``).
         """
-        decode = all(len(s.tokens) == 1 and not s.snapshots for s in seqs)
+        seqs = [s.spec for s in scheduled]
+        params = [s.req.params if s.samples else None for s in scheduled]
+        steps = [len(s.req.output_ids) for s in scheduled]
+        decode = is_decode_step(seqs)
         shapes = self.shapes_for(seqs)
         if decode:
             shapes.update(num_tokens=shapes["num_seqs"], num_snapshots=MIN_SNAPSHOT_BUCKET)

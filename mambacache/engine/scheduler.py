@@ -2,46 +2,40 @@
 
 One step mixes decode tokens (every running request past its prefill) with prefill chunks
 (``chunked_prefill_size`` tokens in all). Per request, in order:
-  1. admit: match the prefix, lock the matched node, take one running slot, plan snapshots;
+  1. admit: match the prefix, lock the matched node, then (with the lock counted) check that the
+     prompt's pages and one running slot are there; plan snapshots, including the positions where
+     waiting requests share an uncached prefix with it (in-batch dedup);
   2. run chunks; the first reads the cached state (``read_slot``), every chunk writes the
-     running slot; planned snapshots are taken inside the chunk that covers their position;
-  3. when the prefill completes, insert the prefix and its snapshots so that others hit it;
-  4. decode one token per step; when KV runs out, preempt the newest request (its progress goes
-     into the cache) and requeue it;
+     running slot; planned snapshots are taken inside the chunk that covers their position and
+     published to the tree before the next step's admissions (or by the finish, if that comes
+     first), so a deferred request hits them next step;
+  3. decode one token per step (only once the prefill is done: ``Request.prefilled``);
+  4. when a request cannot grow, the newest running request is preempted (its progress goes into
+     the cache) until it can; the oldest request always progresses, so every configuration does;
   5. finish: insert everything computed, with the running slot as the end snapshot.
+
+Host only: no JAX here (the simulator drives this same class with the shadow runner).
+Invariants of a step (``check_step``, run under ``scheduler.check_integrity_every_step``): no row
+reads a FREE slot; no slot or page is written by one row and read or written by another; every
+slot a row reads is locked in the tree or held by the reading request.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import numpy as np
+from absl import logging
 
-from mambacache.engine.batch import SeqSpec
-from mambacache.config import EngineConfig
-from mambacache.engine.request import Request, Status
+from mambacache.cache.node import MatchResult
 from mambacache.cache.snapshot_plan import assign_snapshot_slots, plan_snapshots
+from mambacache.config import EngineConfig
+from mambacache.engine.dedup import inflight_branch, shared_with_waiting
+from mambacache.engine.request import Request, Status
+from mambacache.engine.step_checks import check_step
+from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    """One request's part of a step: tokens ``[start, end)`` of ``req.token_ids``.
-
-    ``spec`` is built once the whole step is decided (admissions may still add snapshots to
-    requests scheduled earlier in the same step).
-    """
-
-    req: Request
-    start: int
-    end: int
-    spec: SeqSpec | None = None
-    write_slot: int | None = None  # where the step leaves the state (running slot by default)
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last token, so its logits give the next token."""
-        return self.end == self.req.num_tokens
+__all__ = ["ScheduledSeq", "Scheduler"]
 
 
 class Scheduler:
@@ -52,65 +46,48 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.tokens_computed = 0  # progress: tokens fed through the model, all requests
+        self.num_finished = 0  # progress: requests finished (any reason)
+        self._out: dict[int, ScheduledSeq] = {}
+        self._to_publish: list[Request] = []  # prefills whose last step wrote snapshots
 
     # ---- admission -------------------------------------------------------------------------
-    def _inflight_branch(self, req: Request, cached_len: int, branch_len: int) -> int | None:
-        """In-batch dedup against running requests that share an uncached prefix with ``req``.
-
-        Returns ``None`` if ``req`` should wait: a running prefill has not yet passed the common
-        prefix, so it also plans a snapshot there and ``req`` will hit it once inserted.
-        Otherwise the branch position to plan for ``req``: past ``branch_len`` when a running
-        request computed the common prefix already (both diverge there, neither had it cached).
-        """
-        if not self.cfg.cache.enable:
-            return branch_len
-        tokens = req.token_ids
-        for other in self.running:
-            if other.extra_key != req.extra_key:
-                continue
-            theirs = other.token_ids
-            n = min(len(tokens), len(theirs))
-            diff = np.flatnonzero(tokens[:n] != theirs[:n])
-            common = int(diff[0]) if diff.size else n
-            common = min(common, len(tokens) - 1) // self.page_size * self.page_size
-            if common <= cached_len:
-                continue
-            if common <= other.num_computed or other.prefix_inserted:
-                branch_len = max(branch_len, common)
-                continue
-            if common not in other.pending_snapshots and common < other.num_tokens:
-                slots = self.cache.alloc_slots(1)
-                if slots is not None:
-                    other.pending_snapshots[common] = int(slots[0])
-            return None
-        return branch_len
-
     def _admit(self, req: Request) -> str:
         """Try to start ``req``: "ok", "defer" (dedup: wait for a running prefill) or "full"
         (back-pressure). Nothing is held unless "ok"."""
-        tokens = req.token_ids
-        m = self.cache.match_prefix(tokens, extra_key=req.extra_key)
-        branch_len = self._inflight_branch(req, m.cached_len, m.branch_len)
+        m = self.cache.match_prefix(req.token_ids, extra_key=req.extra_key)
+        branch_len = inflight_branch(self, req, m.cached_len, m.branch_len)
         if branch_len is None:
             return "defer"
+        verdict = self._start(req, m, branch_len)
+        if verdict == "full" and not self.running and m.cached_len > 0:
+            # Nothing running will free anything: what is short is what the match would lock
+            # (its state slot or pages). Start from scratch; the tree may evict it.
+            verdict = self._start(req, _empty_match(m), branch_len)
+        return verdict
+
+    def _start(self, req: Request, m: MatchResult, branch_len: int) -> str:
+        tokens = req.token_ids
         need_pages = -(-len(tokens) // self.page_size) - m.cached_len // self.page_size
-        if self.cache.available_pages() < need_pages or self.cache.available_slots() < 1:
-            return "full"
-        self.cache.lock(m.node)
-        slots = self.cache.alloc_slots(1)
+        self.cache.lock(m.node)  # locked first, so what it pins no longer counts as evictable
+        slots = None
+        if self.cache.available_pages() >= need_pages:
+            slots = self.cache.alloc_slots(1)
         if slots is None:
             self.cache.unlock(m.node)
             return "full"
         req.match_node, req.read_slot, req.running_slot = m.node, m.read_slot, int(slots[0])
         req.cached_page_ids = np.asarray(m.page_ids, np.int32)
-        req.own_page_ids = []
+        req.own_page_ids = np.zeros(0, np.int32)
         req.num_computed = m.cached_len
         if req.num_preemptions == 0:
             req.cached_tokens = m.cached_len
-        req.prefix_inserted = False
+        req.prefilled = False
         if self.cfg.cache.enable:
             positions = plan_snapshots(len(tokens), m.cached_len, branch_len, self.page_size,
                                        self.cfg.cache.checkpoint_interval)
+            shared = shared_with_waiting(self, req, m.cached_len)
+            positions = sorted(set(positions) | shared) if shared else positions
             req.pending_snapshots = assign_snapshot_slots(self.cache, positions, branch_len,
                                                           len(tokens), self.page_size)
         req.status = Status.RUNNING
@@ -127,37 +104,50 @@ class Scheduler:
         pages = self.cache.alloc_pages(need)
         if pages is None:
             return False
-        req.own_page_ids.extend(int(p) for p in pages)
+        req.own_page_ids = np.concatenate([req.own_page_ids, pages]) if len(req.own_page_ids) \
+            else pages
         return True
 
-    def _spec(self, req: Request, start: int, end: int, write_slot: int) -> SeqSpec:
-        snaps = [(pos - start, slot) for pos, slot in sorted(req.pending_snapshots.items())
-                 if start < pos <= end]
-        req.snapshots_in_flight.update(start + off for off, _ in snaps)
+    def _grow_or_preempt(self, req: Request, end: int) -> bool:
+        """Grow ``req`` to ``end`` tokens, preempting the newest running request until it fits;
+        False if ``req`` itself was the newest and was preempted."""
+        while not self._grow(req, end):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _spec(self, s: ScheduledSeq) -> SeqSpec:
+        req, start, end = s.req, s.start, s.end
+        planned = [(pos, slot) for pos, slot in sorted(req.pending_snapshots.items())
+                   if start < pos <= end]
+        req.snapshots_in_flight.update(pos for pos, _ in planned)
+        # A snapshot that IS the step's final state is its write slot (no extra row target),
+        # so a page-boundary decode keeps the decode program.
+        snaps = [(pos - start, slot) for pos, slot in planned
+                 if not (pos == end and slot == s.write_slot)]
         read = req.state_slot if req.state_valid else (req.read_slot or 0)
         return SeqSpec(tokens=req.token_ids[start:end], prefix_len=start, page_ids=req.page_ids,
-                       read_slot=read, write_slot=write_slot, snapshots=snaps)
+                       read_slot=read, write_slot=s.write_slot, snapshots=snaps)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         """Choose this step's work: decodes, running prefill chunks, then new admissions."""
-        out: dict[int, ScheduledSeq] = {}
-        for req in [r for r in self.running if r.num_remaining == 1]:
-            if req.status is not Status.RUNNING:
-                continue  # preempted by an earlier request of this loop
-            while not self._grow(req, req.num_tokens):
-                victim = self.running[-1]
-                self.preempt(victim)
-                out.pop(victim.request_id, None)
-                if victim is req:
-                    break
-            else:
+        self._out = out = {}
+        for req in self._to_publish:
+            if req.status is Status.RUNNING:
+                self._publish(req, final=req.prefilled)
+        self._to_publish.clear()
+        for req in [r for r in self.running if r.prefilled]:
+            if req.status is Status.RUNNING and self._grow_or_preempt(req, req.num_tokens):
                 out[req.request_id] = self._decode_scheduled(req)
         budget = self.cfg.scheduler.chunked_prefill_size
-        for req in [r for r in self.running if r.num_remaining > 1]:
+        for req in [r for r in self.running if not r.prefilled]:
             if budget <= 0:
                 break
-            budget = self._add_chunk(req, budget, out)
+            if req.status is Status.RUNNING:
+                budget = self._add_chunk(req, budget)
         max_running = self.cfg.scheduler.max_running_requests
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
@@ -169,30 +159,28 @@ class Scheduler:
             if verdict == "full":
                 self.waiting.appendleft(req)
                 break
-            budget = self._add_chunk(req, budget, out)
+            budget = self._add_chunk(req, budget)
         self.waiting.extendleft(reversed(deferred))
         for s in out.values():
             s.write_slot = s.write_slot or s.req.running_slot
-            s.spec = self._spec(s.req, s.start, s.end, s.write_slot)
+            s.spec = self._spec(s)
         return list(out.values())
 
-    def _add_chunk(self, req: Request, budget: int, out: dict[int, ScheduledSeq]) -> int:
+    def _add_chunk(self, req: Request, budget: int) -> int:
         """Schedule the next prefill chunk of ``req`` within ``budget``; the budget left."""
         end = req.num_computed + min(req.num_remaining, budget)
-        if not self._grow(req, end):
-            return budget  # the pool is short: the request waits for pages
-        out[req.request_id] = self._scheduled(req, end)
+        if not self._grow_or_preempt(req, end):
+            return budget
+        self._out[req.request_id] = ScheduledSeq(req, req.num_computed, end)
         return budget - (end - req.num_computed)
-
-    def _scheduled(self, req: Request, end: int) -> ScheduledSeq:
-        return ScheduledSeq(req, req.num_computed, end)
 
     def _decode_scheduled(self, req: Request) -> ScheduledSeq:
         """A decode token. With pages, a step that ends on a page boundary writes its state to a
         fresh slot instead (a snapshot without a copy): the next step reads it and writes the
         running slot again, so the newest page-aligned state survives to the finish. The previous
-        such snapshot is given back."""
-        s = self._scheduled(req, req.num_computed + 1)
+        such snapshot is given back (no row of this step reads it: the step reads the state
+        written by the step before, in the running slot)."""
+        s = ScheduledSeq(req, req.num_computed, req.num_computed + 1)
         if self.page_size == 1 or s.end % self.page_size or not self.cfg.cache.enable:
             return s
         got = self.cache.alloc_slots(1)
@@ -203,62 +191,69 @@ class Scheduler:
         if stale:
             self.cache.free_slots(np.asarray(stale, np.int32))
         req.pending_snapshots = {s.end: int(got[0])}
-        req.snapshots_in_flight = {s.end}
+        req.snapshots_in_flight = set()
         s.write_slot = int(got[0])
         return s
 
     def advance(self, seq: ScheduledSeq) -> None:
-        """Record that ``seq`` ran: its state is in the running slot, its KV in its pages."""
+        """Record that ``seq`` ran (dispatched: later steps are ordered after it on the device);
+        publish the prefill snapshots it wrote."""
         req = seq.req
         req.num_computed = seq.end
         req.state_valid = True
         req.state_slot = seq.write_slot
-        finishes_prefill = seq.samples and (seq.start < req.prompt_len or seq.end - seq.start > 1)
-        if finishes_prefill and not req.prefix_inserted and req.pending_snapshots:
-            self.insert_prefix(req)
+        self.tokens_computed += seq.end - seq.start
+        if not req.prefilled:
+            req.prefilled = seq.samples
+            if req.pending_snapshots:
+                self._to_publish.append(req)  # before the next admission (or at the finish)
 
     # ---- cache lifecycle -------------------------------------------------------------------
-    def _written_snapshots(self, req: Request) -> dict[int, int]:
-        """Pending snapshots that a step has written; the others' slots are freed."""
+    def _written_snapshots(self, req: Request, *, drop_rest: bool) -> dict[int, int]:
+        """Pending snapshots a step has written, removed from ``pending_snapshots``; with
+        ``drop_rest`` the others are freed too."""
         done = {p: s for p, s in req.pending_snapshots.items() if p in req.snapshots_in_flight
                 and p <= req.num_computed}
-        unwritten = [s for p, s in req.pending_snapshots.items() if p not in done]
-        if unwritten:
-            self.cache.free_slots(np.asarray(unwritten, np.int32))
-        req.pending_snapshots = {}
-        req.snapshots_in_flight = set()
+        rest = {p: s for p, s in req.pending_snapshots.items() if p not in done}
+        if drop_rest and rest:
+            self.cache.free_slots(np.asarray(list(rest.values()), np.int32))
+            rest = {}
+        req.pending_snapshots = rest
+        req.snapshots_in_flight -= done.keys()
         return done
 
-    def insert_prefix(self, req: Request) -> None:
-        """Step 3: publish the prefix up to the deepest planned snapshot, mid-flight.
+    def _publish(self, req: Request, *, final: bool) -> None:
+        """Insert the prefix up to the deepest written prefill snapshot, mid-flight.
 
         The tree keeps KV only up to its deepest state, so exactly that prefix is inserted; the
         request switches to the tree's pages for it (its own duplicates were freed) and moves its
-        lock to the new node.
+        lock to the new node. The slots offered are snapshot slots only, never one the request
+        reads, so a slot the tree rejects (and frees) is referenced by no one.
         """
-        snaps = self._written_snapshots(req)
+        snaps = self._written_snapshots(req, drop_rest=final)
         if not snaps:
             return
+        if req.state_slot in snaps.values() or req.running_slot in snaps.values():
+            raise AssertionError(f"request {req.request_id} offers its running state to the tree")
         n = max(snaps)
         num_pages = n // self.page_size
         pages = req.page_ids
         res = self.cache.insert(req.token_ids[:n], pages[:num_pages], snapshots=snaps,
                                 extra_key=req.extra_key)
-        kept_pages = res.kept_len // self.page_size
-        if kept_pages != num_pages:
+        if res.kept_len // self.page_size != num_pages:
             raise AssertionError(f"insert kept {res.kept_len} of {n} tokens of a running request")
         self.cache.lock(res.node)
         self.cache.unlock(req.match_node)
         req.match_node = res.node
         req.cached_page_ids = np.asarray(res.page_ids, np.int32)
-        req.own_page_ids = [int(p) for p in pages[num_pages:]]
-        req.prefix_inserted = True
+        req.own_page_ids = pages[num_pages:]
 
     def release(self, req: Request, *, keep: bool) -> None:
         """Give back all ``req`` holds. ``keep``: insert its computed tokens and states first."""
         if req.status is not Status.RUNNING:
             return
-        snaps = self._written_snapshots(req)
+        self._out.pop(req.request_id, None)
+        snaps = self._written_snapshots(req, drop_rest=True)
         slot = req.running_slot
         n = req.num_computed
         if keep and req.state_valid and n % self.page_size == 0 and n not in snaps:
@@ -277,12 +272,14 @@ class Scheduler:
             self.cache.free_slots(np.asarray(list(snaps.values()), np.int32))
         self.cache.unlock(req.match_node)
         req.match_node, req.running_slot, req.read_slot, req.state_slot = None, None, None, None
-        req.own_page_ids, req.cached_page_ids = [], np.zeros(0, np.int32)
-        req.state_valid = False
+        req.own_page_ids = req.cached_page_ids = np.zeros(0, np.int32)
+        req.state_valid = req.prefilled = False
         self.running.remove(req)
 
     def preempt(self, req: Request) -> None:
-        """Step 4: put ``req``'s progress into the cache and requeue it at the front."""
+        """Put ``req``'s progress into the cache and requeue it at the front."""
+        logging.vlog(1, "preempt request %d at %d/%d tokens", req.request_id, req.num_computed,
+                     req.num_tokens)
         self.release(req, keep=True)
         req.status = Status.WAITING
         req.num_computed = 0
@@ -291,7 +288,35 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str, *, keep: bool = True) -> None:
-        """Step 5: insert what ``req`` computed (unless ``keep`` is False) and release it."""
+        """Insert what ``req`` computed (unless ``keep`` is False) and release it."""
         self.release(req, keep=keep)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self.num_finished += 1
+
+    # ---- liveness and checks ---------------------------------------------------------------
+    def progress_marker(self) -> tuple[int, int]:
+        """Changes iff a step computed a token or a request finished."""
+        return self.tokens_computed, self.num_finished
+
+    def describe(self) -> str:
+        """The stuck state, for the no-progress error."""
+        run = [f"{r.request_id} ({r.num_computed}/{r.num_tokens} tokens, "
+               f"{len(r.page_ids)} pages)" for r in self.running]
+        wait = [f"{r.request_id} ({r.num_tokens} tokens)" for r in list(self.waiting)[:8]]
+        c = self.cache
+        return (f"running [{', '.join(run)}]; waiting {len(self.waiting)} [{', '.join(wait)}]; "
+                f"pages available {c.available_pages()} of {c.pages.num_ids} "
+                f"(locked {c.locked_pages()}); slots available {c.available_slots()} of "
+                f"{c.slots.num_ids} (locked {c.locked_slots()})")
+
+    def check_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """Raise if this step breaks an invariant of the module docstring."""
+        check_step(self.cache, scheduled, self.page_size)
+
+
+def _empty_match(m: MatchResult) -> MatchResult:
+    root = m.node
+    while root.parent is not None:
+        root = root.parent
+    return MatchResult(0, m.page_ids[:0], None, root, 0)

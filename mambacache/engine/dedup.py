@@ -1,0 +1,77 @@
+"""In-batch prefix dedup: requests that arrive together compute a shared uncached prefix once.
+
+Two halves, both host only:
+  * ``shared_with_waiting``: when a request is admitted, the positions where waiting requests
+    (the first ``DEDUP_WINDOW`` of the queue, compared by
+    prompt) share more than its cached prefix with it; the
+    scheduler plans snapshots there, and publishes each as soon as the step that wrote it ran.
+  * ``inflight_branch``: when a waiting request is examined, whether a running prefill will
+    publish the prefix they share; if so it waits (is deferred) and hits that snapshot later.
+A deferral ends as soon as the leader has computed the shared prefix (or stopped running), so a
+deferred request never waits on something that cannot happen.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+#: waiting requests compared with each admitted one (bounds the host cost per admission)
+DEDUP_WINDOW = 16
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def shared_with_waiting(sched: Any, req: Any, cached_len: int) -> set[int]:
+    """Page-aligned positions ``p``, ``cached_len < p < len(req.token_ids)``, where a waiting
+    request's prompt leaves ``req``'s tokens (each the state that waiting request will want)."""
+    ps = sched.page_size
+    tokens = req.token_ids
+    out: set[int] = set()
+    if len(tokens) <= cached_len + ps:
+        return out
+    # cheap filter first (one C-level compare per waiting request): sharing more than
+    # cached_len needs the first cached_len + page_size tokens in common
+    head = tokens[:cached_len + ps].tobytes()
+    for other in itertools.islice(sched.waiting, DEDUP_WINDOW):
+        if not other.prompt_bytes.startswith(head) or other.extra_key != req.extra_key:
+            continue
+        theirs = other.prompt
+        common = min(_common_prefix(tokens, theirs), len(theirs) - 1) // ps * ps
+        if cached_len < common < len(tokens):
+            out.add(common)
+    return out
+
+
+def inflight_branch(sched: Any, req: Any, cached_len: int, branch_len: int) -> int | None:
+    """``None`` if ``req`` should wait for a running prefill that will publish a longer shared
+    prefix; otherwise the branch position to plan for ``req`` (past ``branch_len`` when a
+    running request already computed the shared prefix without keeping a state there)."""
+    if not sched.cfg.cache.enable:
+        return branch_len
+    ps = sched.page_size
+    tokens = req.token_ids
+    for other in sched.running:
+        if other.extra_key != req.extra_key:
+            continue
+        common = min(_common_prefix(tokens, other.token_ids), len(tokens) - 1) // ps * ps
+        if common <= cached_len:
+            continue
+        if common <= other.num_computed or other.prefilled or common >= other.num_tokens:
+            branch_len = max(branch_len, common)
+            continue
+        if common in other.pending_snapshots:
+            return None
+        slots = sched.cache.alloc_slots(1)
+        if slots is None:
+            branch_len = max(branch_len, common)
+            continue
+        other.pending_snapshots[common] = int(slots[0])
+        return None
+    return branch_len

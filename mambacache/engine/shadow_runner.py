@@ -1,0 +1,201 @@
+"""``ShadowRunner``: a runner that computes nothing but checks every read (a data-flow oracle).
+
+It stands where the model runner stands (``Engine(cfg, runner=ShadowRunner(...))``) and executes
+each step on the host: for every KV position and every state slot it records *which token
+prefix* it holds (a 64-bit key of the prefix plus its length). Each row's reads are checked
+against what the row needs before any write of the step lands:
+  * the state at ``read_slot`` must be the state after exactly ``tokens[:prefix_len]``
+    (``read_slot`` 0, the zero state, only with ``prefix_len == 0``);
+  * every KV position ``< prefix_len`` in the row's pages must hold that position's prefix;
+  * the extend tokens must be the request's tokens at ``[prefix_len, end)``;
+  * no slot or page is written by one row and read or written by another (``step_hazards``).
+A wrong read raises ``DataflowError`` naming the request, the slot or page and both prefixes.
+
+The sampled token is a function of the prefix only (or, for trace replay, the trace's next
+output token), so cache on and cache off must produce identical outputs: any difference is a
+scheduling bug. It is the simulator's runner (``mambacache.simulate``) and the engine fuzzer's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mambacache.engine.step_plan import ScheduledSeq, is_decode_step, step_hazards
+
+
+class DataflowError(AssertionError):
+    """A step read a state or KV entry that does not hold the prefix it needs."""
+
+
+class ShadowModelConfig:
+    """The few model facts the engine needs without a model (request validation, stop)."""
+
+    def __init__(self, vocab_size: int, max_position_embeddings: int, eos_token_id: int | None):
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = max_position_embeddings
+        self.eos_token_id = eos_token_id
+
+
+class ShadowRunner:
+    """The host oracle runner. ``outputs(request_id, step) -> token | None`` overrides sampling
+    (trace replay); ``fail_step(step_index) -> bool`` injects a failing step (raised before
+    anything is written, or with the pools lost when ``lose_pools_on_failure``)."""
+
+    def __init__(self, model_cfg: ShadowModelConfig, *, num_pages: int, page_size: int,
+                 num_slots: int, seed: int = 0,
+                 outputs: Callable[[int, int], int | None] | None = None,
+                 fail_step: Callable[[int], bool] | None = None,
+                 lose_pools_on_failure: bool = False):
+        self.model_cfg = model_cfg
+        self.page_size = page_size
+        self._rng = np.random.default_rng(seed)
+        self._coef = self._rng.integers(1, 2**63, size=1024, dtype=np.uint64)
+        self.kv_len = np.zeros((num_pages + 1) * page_size, np.int64)
+        self.kv_key = np.zeros((num_pages + 1) * page_size, np.uint64)
+        self.slot_len = np.zeros(num_slots + 1, np.int64)
+        self.slot_key = np.zeros(num_slots + 1, np.uint64)
+        self._outputs = outputs
+        self._fail_step = fail_step
+        self._lose_pools = lose_pools_on_failure
+        self._lost = False
+        self.num_steps = 0
+        self.decode_steps = 0
+        self.run_s = 0.0  # host seconds spent in ``run`` (the oracle's own cost)
+        self.last_request_ids: list[int] = []
+        self.program_keys: set[tuple] = set()
+        self._keys: dict[int, np.ndarray] = {}
+
+    @property
+    def programs_compiled(self) -> int:
+        return len(self.program_keys)
+
+    # ---- prefix keys -----------------------------------------------------------------------
+    def prefix_keys(self, tokens: np.ndarray) -> np.ndarray:
+        """``uint64[n]``: entry p is the key of ``tokens[:p + 1]``."""
+        n = len(tokens)
+        while len(self._coef) < n:
+            more = self._rng.integers(1, 2**63, size=len(self._coef), dtype=np.uint64)
+            self._coef = np.concatenate([self._coef, more])
+        with np.errstate(over="ignore"):
+            return np.cumsum((tokens.astype(np.uint64) + np.uint64(1)) * self._coef[:n],
+                             dtype=np.uint64)
+
+    def _req_keys(self, req: Any) -> np.ndarray:
+        keys = self._keys.get(req.request_id)
+        if keys is None or len(keys) != req.num_tokens:
+            keys = self._keys[req.request_id] = self.prefix_keys(req.token_ids)
+        return keys
+
+    # ---- one step --------------------------------------------------------------------------
+    def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
+        try:
+            return self._run(scheduled)
+        finally:
+            self.run_s += time.perf_counter() - t0
+
+    def _run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
+        specs = [s.spec for s in scheduled]
+        self.last_request_ids = [s.req.request_id for s in scheduled]
+        decode = is_decode_step(specs)
+        self.program_keys.add((decode,))
+        step, self.num_steps = self.num_steps, self.num_steps + 1
+        self.decode_steps += decode
+        if self._fail_step is not None and self._fail_step(step):
+            self._lost = self._lose_pools
+            raise RuntimeError(f"injected failure of step {step}")
+        hazards = step_hazards(specs, self.page_size)
+        if hazards:
+            raise DataflowError(f"step {step}: " + "; ".join(hazards))
+        keys = [self._req_keys(s.req) for s in scheduled]
+        for s, k in zip(scheduled, keys, strict=True):
+            self._check_reads(s, k)
+        for s, k in zip(scheduled, keys, strict=True):
+            self._write(s.spec, k)
+        return self._sample(scheduled, keys)
+
+    def _locs(self, spec: Any, lo: int, hi: int) -> np.ndarray:
+        pos = np.arange(lo, hi)
+        pages = np.asarray(spec.page_ids, np.int64)[pos // self.page_size]
+        return pages * self.page_size + pos % self.page_size
+
+    def _check_reads(self, s: ScheduledSeq, keys: np.ndarray) -> None:
+        spec, rid = s.spec, s.req.request_id
+        n0, end = spec.prefix_len, spec.end
+        if not np.array_equal(np.asarray(spec.tokens), s.req.token_ids[n0:end]):
+            raise DataflowError(f"request {rid}: extend tokens are not tokens[{n0}:{end}]")
+        if n0 == 0:
+            if spec.read_slot != 0:
+                raise DataflowError(f"request {rid} reads slot {spec.read_slot} at position 0")
+        elif (self.slot_len[spec.read_slot], self.slot_key[spec.read_slot]) != (n0, keys[n0 - 1]):
+            raise DataflowError(
+                f"request {rid} reads slot {spec.read_slot} for the state after {n0} tokens; it "
+                f"holds the state after {self.slot_len[spec.read_slot]} tokens "
+                f"{'of this prompt' if self._holds_own(spec.read_slot, keys) else 'of another'}")
+        locs = self._locs(spec, 0, n0)
+        bad = np.flatnonzero((self.kv_len[locs] != np.arange(1, n0 + 1))
+                             | (self.kv_key[locs] != keys[:n0]))
+        if bad.size:
+            p = int(bad[0])
+            raise DataflowError(f"request {rid}: KV of position {p} (page "
+                                f"{spec.page_ids[p // self.page_size]}) holds another prefix")
+
+    def _holds_own(self, slot: int, keys: np.ndarray) -> bool:
+        n = int(self.slot_len[slot])
+        return 0 < n <= len(keys) and keys[n - 1] == self.slot_key[slot]
+
+    def _write(self, spec: Any, keys: np.ndarray) -> None:
+        n0, end = spec.prefix_len, spec.end
+        locs = self._locs(spec, n0, end)
+        self.kv_len[locs] = np.arange(n0 + 1, end + 1)
+        self.kv_key[locs] = keys[n0:end]
+        for n, slot in [(end, spec.write_slot)] + [(n0 + o, sl) for o, sl in spec.snapshots]:
+            if slot:
+                self.slot_len[slot], self.slot_key[slot] = n, keys[n - 1]
+
+    def _sample(self, scheduled: Sequence[ScheduledSeq],
+                keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        vocab = self.model_cfg.vocab_size
+        tokens = np.zeros(len(scheduled), np.int32)
+        logprobs = np.zeros(len(scheduled), np.float32)
+        for i, (s, k) in enumerate(zip(scheduled, keys, strict=True)):
+            h = int(k[s.spec.end - 1])
+            given = self._outputs(s.req.request_id, len(s.req.output_ids)) if self._outputs \
+                else None
+            tokens[i] = given if given is not None else (h >> 17) % vocab
+            logprobs[i] = -((h >> 7) % 1000) / 1000.0
+        return tokens, logprobs
+
+    # ---- failures --------------------------------------------------------------------------
+    def pools_lost(self) -> bool:
+        return self._lost
+
+    def reset_pools(self) -> None:
+        for a in (self.kv_len, self.kv_key, self.slot_len, self.slot_key):
+            a[:] = 0
+        self._lost = False
+
+    def forget(self, request_id: int) -> None:
+        self._keys.pop(request_id, None)
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def for_config(cls, cfg: Any, *, vocab_size: int = 1000, context_len: int = 1 << 20,
+                   eos_token_id: int | None = None, **kwargs: Any) -> ShadowRunner:
+        """A shadow runner sized for ``cfg``'s pools (an ``EngineConfig``)."""
+        return cls(ShadowModelConfig(vocab_size, context_len, eos_token_id),
+                   num_pages=cfg.cache.num_pages, page_size=cfg.cache.page_size,
+                   num_slots=cfg.cache.num_mamba_slots, **kwargs)
+
+    def expected_output(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+        """The tokens a request for ``prompt`` must produce (greedy, no stop): what this runner
+        samples when every read is right."""
+        tokens = list(prompt)
+        for _ in range(num_tokens):
+            h = int(self.prefix_keys(np.asarray(tokens, np.int64))[-1])
+            tokens.append((h >> 17) % self.model_cfg.vocab_size)
+        return tokens[len(prompt):]

@@ -1,0 +1,110 @@
+"""What one step does, on the host: its rows (``SeqSpec``), and the rule no step may break.
+
+Host only (numpy ints, no JAX): the scheduler builds a step from these, a runner executes it
+(the model runner on the device, the shadow runner on the host), and ``step_hazards`` checks the
+rule that makes in-place kernels safe. On GPU/TPU the kernels update the pools in place
+(aliased), rows in any order, so within one step:
+  * no state slot or KV page is written by one row and read or written by another row;
+  * (checked against the allocators by ``Scheduler.check_step``) no row reads a FREE slot, and
+    every slot a row reads is locked in the tree or held by the reading request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqSpec:
+    """Host description of one sequence in a step (used to build a ``ForwardBatch``).
+
+    ``prefix_len`` tokens are already in the KV pages and in the state at ``read_slot``;
+    ``tokens`` are the extend. ``page_ids`` must cover ``prefix_len + len(tokens)`` tokens (more
+    are ignored). ``read_slot`` 0 is the zero state (only with ``prefix_len == 0``);
+    ``write_slot`` 0 drops the final state. ``snapshots``: (offset in the extend, 1..len(tokens),
+    destination slot): the state after that many extend tokens.
+    """
+
+    tokens: Sequence[int]
+    prefix_len: int
+    page_ids: Sequence[int]
+    read_slot: int
+    write_slot: int
+    snapshots: Sequence[tuple[int, int]] = ()  # (offset in extend, dest slot)
+    logits: str = "last"  # "last", "all" or "none"
+
+    @property
+    def end(self) -> int:
+        """Tokens of the sequence after this step."""
+        return self.prefix_len + len(self.tokens)
+
+    def written_slots(self) -> list[int]:
+        return [s for s in [self.write_slot, *(slot for _, slot in self.snapshots)] if s]
+
+    def read_pages(self, page_size: int) -> np.ndarray:
+        """Pages holding the KV this row attends to: all of ``[0, end)``."""
+        return np.asarray(self.page_ids[:-(-self.end // page_size)], np.int64)
+
+    def written_pages(self, page_size: int) -> np.ndarray:
+        """Pages this row writes KV into: those covering ``[prefix_len, end)``."""
+        first, last = self.prefix_len // page_size, -(-self.end // page_size)
+        return np.asarray(self.page_ids[first:last], np.int64)
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One request's part of a step: tokens ``[start, end)`` of ``req.token_ids``.
+
+    ``spec`` is built once the whole step is decided (admissions may still add snapshots to
+    requests scheduled earlier in the same step).
+    """
+
+    req: Any  # mambacache.engine.request.Request
+    start: int
+    end: int
+    spec: SeqSpec | None = None
+    write_slot: int | None = None  # where the step leaves the state (running slot by default)
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so its logits give the next token."""
+        return self.end == self.req.num_tokens
+
+
+def is_decode_step(seqs: Sequence[SeqSpec]) -> bool:
+    """The step runs the decode program: every row extends by one token with no snapshot
+    target (a page-boundary decode snapshot is the row's write slot, not a target)."""
+    return all(len(s.tokens) == 1 and not s.snapshots for s in seqs)
+
+
+def step_hazards(seqs: Sequence[SeqSpec], page_size: int) -> list[str]:
+    """Every cross-row conflict of one step, as messages (empty: the step is safe in place)."""
+    if len(seqs) < 2:
+        return []
+    problems = []
+    for kind, written, read in (
+            ("slot", [s.written_slots() for s in seqs], [[s.read_slot] if s.read_slot else []
+                                                        for s in seqs]),
+            ("page", [s.written_pages(page_size) for s in seqs],
+             [s.read_pages(page_size) for s in seqs])):
+        rows_w = np.repeat(np.arange(len(seqs)), [len(w) for w in written])
+        ids_w = np.concatenate([np.asarray(w, np.int64) for w in written])
+        order = np.argsort(ids_w, kind="stable")
+        ids_s, rows_s = ids_w[order], rows_w[order]
+        dup = np.flatnonzero((ids_s[1:] == ids_s[:-1]) & (rows_s[1:] != rows_s[:-1]))
+        problems += [f"{kind} {ids_s[i]} written by rows {rows_s[i]} and {rows_s[i + 1]}"
+                     for i in dup.tolist()]
+        for i, r in enumerate(read):
+            r = np.asarray(r, np.int64)
+            hit = np.searchsorted(ids_s, r)
+            ok = hit < len(ids_s)
+            clash = r[ok][ids_s[hit[ok]] == r[ok]]
+            for x in clash.tolist():
+                writers = set(rows_s[ids_s == x].tolist()) - {i}
+                if writers:
+                    problems.append(f"row {i} reads {kind} {x} that row {min(writers)} writes")
+    return problems

@@ -1,0 +1,22 @@
+"""Engines on the shadow runner (no model, no device): the data-flow oracle checks every read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mambacache as mc
+from mambacache.engine.engine import Engine
+from mambacache.engine.shadow_runner import ShadowRunner
+
+SHADOW_BASE = {"cache.num_kv_tokens": 4000, "cache.num_mamba_slots": 32,
+               "scheduler.max_running_requests": 8, "scheduler.chunked_prefill_size": 64,
+               "scheduler.check_integrity_every_step": True}
+
+
+def shadow_engine(runner_kwargs: dict[str, Any] | None = None, **overrides: Any) -> Engine:
+    cfg = mc.EngineConfig().replace(**{**SHADOW_BASE, **overrides})
+    return Engine(cfg, runner=ShadowRunner.for_config(cfg, **(runner_kwargs or {})))
+
+
+def greedy(n: int) -> mc.SamplingParams:
+    return mc.SamplingParams(max_new_tokens=n, temperature=0.0)
