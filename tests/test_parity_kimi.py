@@ -80,3 +80,19 @@ def test_unsupported_fields_raise():
             ModelConfig.from_hf_config({**hf, key: value})
     with pytest.raises(ValueError, match="n_group"):
         ModelConfig.from_hf_config({**hf, "num_expert_group": 3})
+
+
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+def test_pallas_kernels_fp32(fp32, family, monkeypatch):
+    """The KDA kernels and the MLA op over the paged-attention kernel (interpreted) give the
+    same parity: split prefill and 4 greedy decode steps."""
+    monkeypatch.setenv("PALLAS_FAMILY", family)
+    tp.step_fn.cache_clear()  # the family is read when tracing; its jit cache is per cfg only
+    cfg, params, exp = fp32
+    prompts = tp.split_prompts(exp)
+    split = tp.run_split(params, cfg, prompts, exp["split_points"], jnp.float32,
+                         kernels="pallas")
+    assert tp.max_err(split, exp["split_logits"]) < tp.FP32_TOL
+    tokens, logits = tp.run_greedy(params, cfg, prompts, 4, jnp.float32, kernels="pallas")
+    np.testing.assert_array_equal(tokens, exp["greedy_tokens"][:, :4])
+    assert tp.max_err(logits, exp["greedy_logits"][:, :4]) < tp.FP32_TOL

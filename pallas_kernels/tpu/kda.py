@@ -1,0 +1,166 @@
+"""TPU (Mosaic) KDA kernels: chunked prefill over ragged sequences (pool read/write, snapshots at
+any offset) and decode.
+
+Same contracts as ``reference.kda.kda_extend_reference`` / ``kda_decode_reference``. The prefill
+layout is the gated delta rule's (``tpu/gated_delta_rule.py``): chunks of ``BT`` tokens that
+never span two sequences, grid ``(H, NC)`` with heads parallel and chunks in order, the running
+state ``[Dk, Dv]`` in VMEM scratch; the per-channel chunk math is ``kda_chunk.py``'s. Decode
+runs the gated delta rule's decode kernel body, whose ``exp(g) * state`` broadcasts a ``[H, Dk,
+1]`` per-channel decay as well as a ``[H, 1, 1]`` one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import (
+    check_chunk_size,
+    chunk_layout,
+    extend_targets,
+    max_chunks,
+    token_seq_ids,
+)
+from pallas_kernels.kda_chunk import SUB, chunk_output, state_after
+from pallas_kernels.reference.kda import check_kda
+from pallas_kernels.tpu.gated_delta_rule import _unit_lower_inverse
+from pallas_kernels.tpu.gated_delta_rule_decode import _gdr_decode_kernel
+
+_F32 = jnp.float32
+
+
+def _l2norm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _kda_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # SMEM scalars
+                      q_ref,      # [BT, Dk] raw q of this chunk and head
+                      k_ref,      # [BT, Dk] raw k
+                      v_ref,      # [BT, Dv]
+                      g_ref,      # [BT, Dk] f32 in-chunk cumulative log-decay per channel
+                      beta_ref,   # [BT, 1] f32
+                      pool_ref,   # [N, H, Dk, Dv] f32 HBM: initial states (alias of pool_out)
+                      o_ref,      # [BT, Dv] output
+                      pool_out,   # [N, H, Dk, Dv] f32 HBM: final states, snapshots
+                      state_ref,  # [Dk, Dv] f32 scratch: state at this chunk's start
+                      snap_ref):  # [Dk, Dv] f32 scratch: staging for DMA to the pool
+    h, c = pl.program_id(0), pl.program_id(1)
+    bt, dk = k_ref.shape
+
+    @pl.when(first_ref[c] == 1)
+    def _load_initial():
+        pltpu.sync_copy(pool_ref.at[read_ref[c], h], state_ref)
+
+    q = _l2norm(q_ref[...].astype(_F32)) * (dk ** -0.5)
+    k = _l2norm(k_ref[...].astype(_F32))
+    gcum = g_ref[...]
+    s0 = state_ref[...]
+    o, u = chunk_output(q, k, v_ref[...].astype(_F32), gcum, beta_ref[...], s0,
+                        _unit_lower_inverse)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+    def write_target(j, carry):
+        slot = tslot_ref[j]
+
+        @pl.when(slot > 0)
+        def _write():
+            snap_ref[...] = state_after(trow_ref[j], k, gcum, u, s0)
+            pltpu.sync_copy(snap_ref, pool_out.at[slot, h])
+
+        return carry
+
+    jax.lax.fori_loop(tstart_ref[c], tstart_ref[c + 1], write_target, 0)
+    state_ref[...] = state_after(bt, k, gcum, u, s0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
+def kda_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_pool, *,
+                   interpret: bool = False):
+    """Run the kernel on chunked inputs. q, k, gcum ``[H, NC, BT, Dk]``; v ``[H, NC, BT, Dv]``;
+    beta ``[H, NC, BT, 1]``; per-chunk ``first, read [NC]``; targets CSR ``tstart [NC+1]``,
+    ``trow, tslot [J]``. Returns ``(o [H, NC, BT, Dv], pool)``."""
+    num_heads, num_chunks, bt, dv = v.shape
+    dk = q.shape[-1]
+    sq = pl.Squeezed()
+
+    def blk(last2):
+        return pl.BlockSpec((sq, sq) + last2, lambda h, c, *_: (h, c, 0, 0))
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5, grid=(num_heads, num_chunks),
+        in_specs=[blk((bt, dk)), blk((bt, dk)), blk((bt, dv)), blk((bt, dk)), blk((bt, 1)),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[blk((bt, dv)), pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((dk, dv), _F32), pltpu.VMEM((dk, dv), _F32)])
+    return pl.pallas_call(
+        _kda_chunk_kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((num_heads, num_chunks, bt, dv), v.dtype),
+                   jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
+        input_output_aliases={5 + 5: 1}, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    )(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_pool)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+                   donate_argnames=("ssm_pool",))
+def kda_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
+               snap_offset, snap_slot, *, chunk_size: int = 64, interpret: bool = False):
+    """Pallas chunked KDA prefill; the contract of ``kda_extend_reference`` (``chunk_size`` a
+    multiple of 16). Returns ``(o [T, H, Dv] in v.dtype, ssm_pool)``."""
+    check_kda(q, k, v, g, beta, ssm_pool)
+    check_chunk_size(chunk_size)
+    if chunk_size % SUB:
+        raise ValueError(f"chunk_size {chunk_size} must be a multiple of {SUB} for KDA")
+    num_tokens = v.shape[0]
+    num_seqs = read_slot.shape[0]
+    num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
+    gather, cseq, first, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size,
+                                                   num_chunks)
+    ssm_pool, tstart, trow, tslot = extend_targets(
+        ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
+        chunk_off, chunk_size, num_chunks)
+
+    def chunked(x):  # [T, H, ...] -> [H, NC, BT, ...] with zero rows
+        x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[gather]
+        return jnp.moveaxis(x, 2, 0)
+
+    gcum = jnp.cumsum(chunked(g.astype(_F32)), axis=2)                  # [H, NC, BT, Dk]
+    o_c, ssm_pool = kda_chunk_call(
+        first, read_slot[cseq], tstart, trow, tslot, chunked(q), chunked(k), chunked(v), gcum,
+        chunked(beta.astype(_F32))[..., None], ssm_pool, interpret=interpret)
+    seq, valid = token_seq_ids(cu_seqlens, num_tokens)
+    local = jnp.arange(num_tokens) - cu_seqlens[seq]
+    o = o_c[:, chunk_off[seq] + local // chunk_size, local % chunk_size]   # [H, T, Dv]
+    o = jnp.where(valid[None, :, None], o, 0).astype(v.dtype)
+    return jnp.moveaxis(o, 0, 1), ssm_pool
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
+def kda_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, interpret: bool = False):
+    """Pallas KDA decode; the contract of ``kda_decode_reference``: q, k, g ``[B, H, Dk]``, v
+    ``[B, H, Dv]``, beta ``[B, H]``. Returns ``(o [B, H, Dv] in v.dtype, ssm_pool)``."""
+    check_kda(q, k, v, g, beta, ssm_pool)
+    num_seqs, num_heads, dv = v.shape
+    dk = q.shape[-1]
+    sq = pl.Squeezed()
+    spec = lambda *last: pl.BlockSpec((sq, num_heads) + last, lambda b, *_: (b, 0, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(num_seqs,),
+        in_specs=[spec(dk, 1), spec(dk, 1), spec(1, dv), spec(dk, 1), spec(1, 1),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[spec(1, dv), pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((num_heads, dk, dv), _F32)])
+    o, ssm_pool = pl.pallas_call(
+        _gdr_decode_kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((num_seqs, num_heads, 1, dv), v.dtype),
+                   jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
+        input_output_aliases={2 + 5: 1}, interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+    )(read_slot, write_slot, q[..., None], k[..., None], v[:, :, None, :],
+      g.astype(_F32)[..., None], beta.astype(_F32).reshape(num_seqs, num_heads, 1, 1),
+      ssm_pool)
+    return o[:, :, 0, :], ssm_pool
