@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels._common import interpret_default
 from pallas_kernels.gpu import causal_conv1d as _gpu_conv
 from pallas_kernels.gpu import gated_delta_rule as _gpu_gdr
+from pallas_kernels.gpu import kda as _gpu_kda
 from pallas_kernels.gpu import paged_attention as _gpu_attn
 from pallas_kernels.gpu import ssd as _gpu_ssd
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode as _gpu_gdr_decode
@@ -44,6 +45,7 @@ from pallas_kernels.reference import paged_attention as _attn_ref
 from pallas_kernels.reference import ssd as _ssd_ref
 from pallas_kernels.tpu import causal_conv1d as _conv
 from pallas_kernels.tpu import gated_delta_rule as _gdr
+from pallas_kernels.tpu import kda as _tpu_kda
 from pallas_kernels.tpu import paged_attention as _attn
 from pallas_kernels.tpu import ssd as _tpu_ssd
 from pallas_kernels.tpu.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
@@ -54,12 +56,14 @@ FAMILIES = {
                            conv_extend=_conv.causal_conv1d_extend,
                            conv_decode=_conv.causal_conv1d_decode,
                            paged_attention=_attn.paged_attention,
+                           kda_extend=_tpu_kda.kda_extend, kda_decode=_tpu_kda.kda_decode,
                            ssd_extend=_tpu_ssd.ssd_extend, ssd_decode=_tpu_ssd.ssd_decode),
     "gpu": SimpleNamespace(gdr_extend=_gpu_gdr.gated_delta_rule_extend,
                            gdr_decode=_gpu_gdr_decode,
                            conv_extend=_gpu_conv.causal_conv1d_extend,
                            conv_decode=_gpu_conv.causal_conv1d_decode,
                            paged_attention=_gpu_attn.paged_attention,
+                           kda_extend=_gpu_kda.kda_extend, kda_decode=_gpu_kda.kda_decode,
                            ssd_extend=_gpu_ssd.ssd_extend, ssd_decode=_gpu_ssd.ssd_decode),
 }
 
@@ -247,6 +251,7 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
 
     specs = (_HEADS, _REP, _REP, _REP, _REP)
     return _on_mesh(fn, mesh, specs, _HEADS)(*args)
+
 
 def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None):
