@@ -182,6 +182,7 @@ class Engine:
             return []
         if self.cfg.scheduler.check_integrity_every_step:
             self.scheduler.check_step(scheduled)
+        t_dispatch = time.perf_counter()
         try:
             tokens, logprobs = self.runner.run(scheduled)
         except AssertionError:
@@ -199,7 +200,7 @@ class Engine:
                     and (out := self._append(s.req, int(tokens[i]), float(logprobs[i]), t_synced))]
         now = time.perf_counter()
         self.stats.on_step(self, scheduled, host_s=now - t_start - (t_synced - t_wait),
-                           wall_s=now - t_start)
+                           wall_s=now - t_start, busy_s=t_synced - t_dispatch, t_start=t_start)
         if self.cfg.scheduler.check_integrity_every_step:
             self.check_integrity()
         return finished

@@ -23,8 +23,17 @@ class EngineMetrics:
     pure_decode_steps: int = 0  # steps whose every row is a decode token
     decode_program_steps: int = 0  # of those, steps that ran the decode program
 
-    def on_step(self, engine: Any, scheduled: list, *, host_s: float, wall_s: float) -> None:
+    busy_s: float = 0.0  # wall time with a step in flight (dispatched, results not read)
+    active_s: float = 0.0  # wall time of steps and of the gaps between them while busy
+    _last_end: float | None = None
+
+    def on_step(self, engine: Any, scheduled: list, *, host_s: float, wall_s: float,
+                busy_s: float = 0.0, t_start: float | None = None) -> None:
         self.num_steps += 1
+        self.busy_s += busy_s
+        gap = t_start - self._last_end if t_start is not None and self._last_end else 0.0
+        self.active_s += wall_s + (gap if engine.has_unfinished() else 0.0)
+        self._last_end = (t_start or 0.0) + wall_s
         if all(s.end - s.start == 1 and s.start >= s.req.prompt_len for s in scheduled):
             self.pure_decode_steps += 1
             self.decode_program_steps += is_decode_step([s.spec for s in scheduled])
@@ -43,7 +52,7 @@ class EngineMetrics:
 
     def as_dict(self, engine: Any) -> dict[str, Any]:
         stats = engine.cache.stats()
-        out = dataclasses.asdict(self)
+        out = {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
         out.update(
             hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             token_usage=stats["token_usage"], mamba_usage=stats["mamba_usage"],
@@ -51,6 +60,8 @@ class EngineMetrics:
             decode_program_share=(self.decode_program_steps / self.pure_decode_steps
                                   if self.pure_decode_steps else None),
             programs_compiled=engine.runner.programs_compiled,
+            programs_per_width=engine.runner.programs_per_width(),
+            device_idle_share=1.0 - self.busy_s / self.active_s if self.active_s else None,
             preemptions=engine.scheduler.num_preemptions,
             snapshots_kept=stats.get("snapshots_kept", 0),
             snapshots_skipped=stats.get("snapshots_skipped", 0),

@@ -24,6 +24,7 @@ from pallas_kernels import ops
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 64
 MIN_SNAPSHOT_BUCKET = 8
+MIN_SEQ_BUCKET = 4  # step widths: 4, 8, 16, ... up to max_running_requests (rounded up)
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -104,11 +105,20 @@ class ModelRunner:
     def programs_compiled(self) -> int:
         return len(self.program_keys)
 
+    def programs_per_width(self) -> dict[int, int]:
+        """``{step width (sequences): programs run at that width}``."""
+        out: dict[int, int] = {}
+        for key in self.program_keys:
+            width = dict(key[1:])["num_seqs"]
+            out[width] = out.get(width, 0) + 1
+        return dict(sorted(out.items()))
+
     def shapes_for(self, seqs: Sequence[SeqSpec]) -> dict[str, int]:
         num_tokens = sum(len(s.tokens) for s in seqs)
         pages = max(-(-(s.prefix_len + len(s.tokens)) // self.page_size) for s in seqs)
         num_snaps = sum(len(s.snapshots) for s in seqs)
-        num_seqs = self.max_seqs  # one width for every step: fewer programs to compile
+        # the width follows the batch on a ladder of powers of two (bounded programs)
+        num_seqs = min(bucket(len(seqs), MIN_SEQ_BUCKET), self.max_seqs)
         return dict(num_tokens=bucket(num_tokens, MIN_TOKEN_BUCKET), num_seqs=num_seqs,
                     num_pages_per_seq=bucket(pages, MIN_PAGE_BUCKET),
                     num_snapshots=bucket(num_snaps, MIN_SNAPSHOT_BUCKET), num_logits=num_seqs)

@@ -67,11 +67,16 @@ class ShadowRunner:
         self.run_s = 0.0  # host seconds spent in ``run`` (the oracle's own cost)
         self.last_request_ids: list[int] = []
         self.program_keys: set[tuple] = set()
+        self._widths: dict[int, int] = {}
         self._keys: dict[int, np.ndarray] = {}
 
     @property
     def programs_compiled(self) -> int:
         return len(self.program_keys)
+
+    def programs_per_width(self) -> dict[int, int]:
+        """Steps run per row count (no programs here: the shadow runner compiles nothing)."""
+        return dict(sorted(self._widths.items()))
 
     # ---- prefix keys -----------------------------------------------------------------------
     def prefix_keys(self, tokens: np.ndarray) -> np.ndarray:
@@ -103,6 +108,7 @@ class ShadowRunner:
         self.last_request_ids = [s.req.request_id for s in scheduled]
         decode = is_decode_step(specs)
         self.program_keys.add((decode,))
+        self._widths[len(specs)] = self._widths.get(len(specs), 0) + 1
         step, self.num_steps = self.num_steps, self.num_steps + 1
         self.decode_steps += decode
         if self._fail_step is not None and self._fail_step(step):
