@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from absl import logging as absl_logging
 
 from mambacache.bench.report import format_table, ratios, write_json, write_plot
 from mambacache.bench.runner import BenchSection, run_pass
@@ -130,7 +131,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write the results as one JSON object")
     p.add_argument("--plot", help="write a PNG plot (needs the 'plot' extra: matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    p.add_argument("-v", "--verbosity", type=int, default=-1,
+                   help="absl log level: -1 warnings (default), 0 info, 1 preemptions")
+    args = p.parse_args(argv)
+    absl_logging.set_verbosity(args.verbosity)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

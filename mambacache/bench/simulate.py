@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from absl import logging as absl_logging
 
 from mambacache.config import CacheConfig, EngineConfig, parse_set_args
 from mambacache.engine.engine import Engine
@@ -171,7 +172,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="write the result JSON here")
     ap.add_argument("--check-integrity", action="store_true",
                     help="check the step invariants and the engine's integrity every step")
+    ap.add_argument("-v", "--verbosity", type=int, default=-1,
+                    help="absl log level: -1 warnings (default), 0 info, 1 preemptions")
     args = ap.parse_args(argv)
+    absl_logging.set_verbosity(args.verbosity)
     cfg = EngineConfig.load(args.config, overrides=parse_set_args(args.sets))
     result = simulate(load_trace(args.trace), cfg, args.concurrency, args.check_integrity)
     result["config"] = dataclasses.asdict(cfg.cache)
