@@ -150,18 +150,19 @@ def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, s
 
 
 def _ssd_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
-                       x_ref,      # [H, 1, P]
-                       dt_ref,     # [H, 1, 1] f32
-                       a_ref,      # [H, 1, 1] f32
-                       b_ref,      # [H, N, 1] f32 (group-expanded)
-                       c_ref,      # [H, N, 1] f32
-                       d_ref,      # [H, 1, 1] f32
+                       x_ref,      # [HB, 1, P]
+                       dt_ref,     # [HB, 1, 1] f32
+                       a_ref,      # [HB, 1, 1] f32
+                       b_ref,      # [HB, N, 1] f32 (group-expanded)
+                       c_ref,      # [HB, N, 1] f32
+                       d_ref,      # [HB, 1, 1] f32
                        pool_ref,   # [S, H, N, P] f32 HBM: initial states (alias of pool_out)
-                       y_ref,      # [H, 1, P]
+                       y_ref,      # [HB, 1, P]
                        pool_out,   # [S, H, N, P] f32 HBM: new states
-                       state_ref):  # [H, N, P] f32 scratch
-    i = pl.program_id(0)
-    pltpu.sync_copy(pool_ref.at[read_ref[i]], state_ref)
+                       state_ref):  # [HB, N, P] f32 scratch
+    i, hb = pl.program_id(0), pl.program_id(1)
+    heads = pl.ds(hb * state_ref.shape[0], state_ref.shape[0])
+    pltpu.sync_copy(pool_ref.at[read_ref[i], heads], state_ref)
     x, dt = x_ref[...].astype(_F32), dt_ref[...]
     state = jnp.exp(dt * a_ref[...]) * state_ref[...] + (dt * b_ref[...]) * x
     y_ref[...] = (jnp.sum(state * c_ref[...], axis=1, keepdims=True)
@@ -170,32 +171,41 @@ def _ssd_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
 
     @pl.when(write_ref[i] > 0)
     def _write():
-        pltpu.sync_copy(state_ref, pool_out.at[write_ref[i]])
+        pltpu.sync_copy(state_ref, pool_out.at[write_ref[i], heads])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
-def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, interpret: bool = False):
-    """Pallas decode, grid ``(B,)``, the whole ``[H, N, P]`` state of a sequence per step
-    (elementwise + reductions: a decode step is memory-bound); same contract as
+def decode_head_block(num_heads: int, limit: int = 8) -> int:
+    """Heads per decode grid step: the largest divisor of ``num_heads`` up to ``limit`` (a
+    ``[HB, N, P]`` f32 state block: 256 KiB at Nemotron-H's N=128, P=64 and HB=8)."""
+    return max(hb for hb in range(1, min(limit, num_heads) + 1) if num_heads % hb == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("head_block", "interpret"),
+                   donate_argnames=("ssm_pool",))
+def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, head_block: int = 8,
+               interpret: bool = False):
+    """Pallas decode, grid ``(B, H / HB)``: a block of ``HB = decode_head_block(H, head_block)``
+    heads' ``[N, P]`` states per step (elementwise + reductions: a decode step is memory-bound;
+    the whole ``[H, N, P]`` state of Nemotron-H, 8 MiB, overflows VMEM); same contract as
     ``ssd_decode_reference``. Returns ``(y [B, H, P] in x.dtype, ssm_pool)``."""
     num_heads, p, _, n = check_ssd(x, dt, a, b, c, d, ssm_pool)
-    num_seqs = x.shape[0]
+    num_seqs, hb = x.shape[0], decode_head_block(num_heads, head_block)
     vec = lambda v: jnp.broadcast_to(v.astype(_F32).reshape(1, num_heads, 1, 1),
                                      (num_seqs, num_heads, 1, 1))
     sq = pl.Squeezed()
-    spec = lambda *last: pl.BlockSpec((sq, num_heads) + last, lambda i, *_: (i, 0, 0, 0))
+    spec = lambda *last: pl.BlockSpec((sq, hb) + last, lambda i, j, *_: (i, j, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(num_seqs,),
+        num_scalar_prefetch=2, grid=(num_seqs, num_heads // hb),
         in_specs=[spec(1, p), spec(1, 1), spec(1, 1), spec(n, 1), spec(n, 1), spec(1, 1),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[spec(1, p), pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM((num_heads, n, p), _F32)])
+        scratch_shapes=[pltpu.VMEM((hb, n, p), _F32)])
     y, ssm_pool = pl.pallas_call(
         _ssd_decode_kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((num_seqs, num_heads, 1, p), x.dtype),
                    jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
         input_output_aliases={2 + 6: 1}, interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
     )(read_slot, write_slot, x[:, :, None, :], dt.astype(_F32)[..., None, None],
       vec(a), expand_groups(b, num_heads)[..., None], expand_groups(c, num_heads)[..., None],
       vec(d), ssm_pool)
