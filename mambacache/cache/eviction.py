@@ -17,7 +17,9 @@ newest (1) and efficiency is the prefill FLOPs a hit on the node saves per byte 
 normalised to [0, 1] over the candidates. Lowest score goes first. FLOPs saved by a state at depth
 ``d``: ``d * (1 + d / attn_quadratic_tokens)`` (linear layers ~ d, attention ~ d^2); bytes freed:
 ``state_bytes_in_tokens`` (a state's size in tokens of KV) plus the edge's KV if a leaf goes whole.
-Pass ``alpha`` etc. through ``make_cache(..., eviction="flop_aware", alpha=2.0)``.
+Pass ``alpha`` etc. through ``make_cache(..., eviction="flop_aware", alpha=2.0)``. The default
+``alpha="auto"`` tunes it online (``tuning.py``: replay of recent requests on shadow caches, one
+per candidate alpha, as Marconi does), starting from 0 (recency only).
 
 ``TreeEviction`` is the cache side (a mixin of ``MambaRadixCache``): ``evict_pages(n)`` /
 ``evict_slots(n)`` loop over the policy's candidates until ``n`` are free or nothing is evictable.
@@ -35,6 +37,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from mambacache.cache.tuning import AlphaTuner
 
 if TYPE_CHECKING:
     from mambacache.cache.node import Node
@@ -95,9 +99,15 @@ class LRUPolicy(EvictionPolicy):
 class FlopAwarePolicy(EvictionPolicy):
     """Marconi-style: recency plus FLOPs saved per byte held (see the module docstring)."""
 
-    def __init__(self, alpha: float = 1.0, state_bytes_in_tokens: float = 256.0,
-                 attn_quadratic_tokens: float = 8192.0, rerank_every: int = 32):
-        if alpha < 0 or state_bytes_in_tokens <= 0 or attn_quadratic_tokens <= 0:
+    def __init__(self, alpha: float | str = "auto", state_bytes_in_tokens: float = 256.0,
+                 attn_quadratic_tokens: float = 8192.0, rerank_every: int = 32,
+                 tune_window: int = 256, tune_every: int = 512):
+        self.tuner = None
+        if alpha == "auto":
+            self.tuner = AlphaTuner(window=tune_window, every=tune_every)
+            alpha = self.tuner.alpha
+        if not isinstance(alpha, int | float) or alpha < 0 or state_bytes_in_tokens <= 0 \
+                or attn_quadratic_tokens <= 0:
             raise ValueError(
                 f"flop_aware needs alpha >= 0 and positive sizes, got alpha={alpha}, "
                 f"state_bytes_in_tokens={state_bytes_in_tokens}, "
@@ -106,11 +116,19 @@ class FlopAwarePolicy(EvictionPolicy):
         self.alpha = alpha
         self.state_tokens = state_bytes_in_tokens
         self.attn_tokens = attn_quadratic_tokens
-        # Ranking is O(n log n): reuse one ranking for up to ``rerank_every`` victims, dropping
-        # entries that went stale (the cache re-validates every candidate anyway).
+        # Ranking is O(n log n): reuse one ranking for up to ``rerank_every`` victims while the
+        # tree got no new state (a new node missing from a reused ranking would outlive older,
+        # more valuable ones), dropping entries that went stale (the cache re-validates them).
         self.rerank_every = max(1, rerank_every)
         self._ranked_cache: dict[str, list] = {"pages": [], "states": []}
         self._uses = {"pages": 0, "states": 0}
+        self._ranked_at = {"pages": -1, "states": -1}  # cache.counters["snapshots_kept"]
+
+    def set_alpha(self, alpha: float) -> None:
+        """Adopt a tuned ``alpha``; the cached rankings are rebuilt."""
+        if alpha != self.alpha:
+            self.alpha = alpha
+            self._ranked_cache = {"pages": [], "states": []}
 
     def _flops(self, node: Node) -> float:
         d = float(node.depth)
@@ -134,10 +152,13 @@ class FlopAwarePolicy(EvictionPolicy):
 
     def _cached(self, kind: str, cache: Any, valid, build, enough) -> list[Node]:
         """Valid candidates from the front of the cached ranking until ``enough(out)``."""
+        kept = cache.counters["snapshots_kept"]
         for attempt in range(2):
             ranked = self._ranked_cache[kind]
-            if attempt or not ranked or self._uses[kind] >= self.rerank_every:
+            if attempt or not ranked or self._uses[kind] >= self.rerank_every \
+                    or self._ranked_at[kind] != kept:
                 ranked, self._uses[kind] = self._ranked(cache, build()), 0
+                self._ranked_at[kind] = kept
             out, i = [], 0
             while i < len(ranked) and not enough(out):
                 if valid(ranked[i]):
@@ -150,6 +171,9 @@ class FlopAwarePolicy(EvictionPolicy):
         return out
 
     def page_victims(self, cache: Any, num_pages: int) -> list[Node]:
+        if self.alpha == 0:  # recency only: exactly LRU (the tuner's safe candidate)
+            return LRUPolicy.page_victims(self, cache, num_pages)
+
         def valid(n):
             return n.alive and not n.children and n.full_lock_ref == 0
 
@@ -157,6 +181,9 @@ class FlopAwarePolicy(EvictionPolicy):
                             lambda out: sum(len(n.pages) for n in out) >= num_pages)
 
     def state_victims(self, cache: Any, num_slots: int) -> list[Node]:
+        if self.alpha == 0:
+            return LRUPolicy.state_victims(self, cache, num_slots)
+
         def valid(n):
             return n.alive and n.slot is not None and n.mamba_lock_ref == 0
 

@@ -40,6 +40,8 @@ class TreeInsert:
         if pages.shape != (-(-len(tokens) // ps),):
             raise ValueError(f"insert: {len(tokens)} tokens need {-(-len(tokens) // ps)} pages of "
                              f"{ps}, got page_ids of shape {pages.shape}")
+        if self._tuner is not None and extra_key is None:
+            self._tuner.record_insert(tokens)
         root = self.roots.get(extra_key)
         if root is None:
             root = self.roots[extra_key] = make_root(extra_key)

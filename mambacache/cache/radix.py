@@ -60,6 +60,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
             raise ValueError(f"speculative_states must be a bool, got {speculative_states!r}")
         self.speculative_states = speculative_states
         self.policy = make_policy(eviction, **policy_kwargs)
+        self._tuner = getattr(self.policy, "tuner", None)  # flop_aware alpha="auto" only
         self.roots: dict[Any, Node] = {None: make_root()}
         self.lru_all: OrderedDict[Node, None] = OrderedDict()  # every node, oldest first
         self.lru_state: OrderedDict[Node, None] = OrderedDict()  # nodes with a state
@@ -172,6 +173,8 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
     def match_prefix(self, prompt_ids, extra_key: Any = None) -> MatchResult:
         """Longest cached prefix of ``prompt_ids`` that has a state; see ``MatchResult``."""
         tokens = as_tokens(prompt_ids)
+        if self._tuner is not None and extra_key is None and self._tuner.record_match(tokens):
+            self.policy.set_alpha(self._tuner.tune(self))
         root = self.roots.get(extra_key)
         if root is None or len(tokens) == 0:
             return MatchResult(0, _EMPTY, None, root or self.roots[None], 0)

@@ -1,0 +1,62 @@
+"""flop_aware with alpha tuned online: alpha 0 is exactly LRU; the tuner replays the recent
+window on shadows and moves away from recency only where that hits more."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mambacache.bench.baselines import replay
+from mambacache.cache.radix import make_cache
+from mambacache.cache.tuning import GRID, AlphaTuner
+
+
+def _mixed(n_rounds: int, seed: int = 0):
+    """A deep 300-token prompt every 6th request, one-off 12-token prompts in between."""
+    rng = np.random.default_rng(seed)
+    deep = rng.integers(1, 900, 300).tolist()
+    reqs = []
+    for _ in range(n_rounds):
+        reqs.append({"prompt": deep + rng.integers(1, 900, 4).tolist(), "output": [5, 6]})
+        reqs += [{"prompt": rng.integers(1, 900, 12).tolist(), "output": [5, 6]}
+                 for _ in range(5)]
+    return reqs
+
+
+def _contents(cache):
+    return sorted((n.depth, n.slot is not None) for n in cache.lru_all)
+
+
+def test_alpha_zero_is_exactly_lru():
+    reqs = _mixed(12)
+    lru = make_cache(True, 2000, 4, eviction="lru")
+    zero = make_cache(True, 2000, 4, eviction="flop_aware", alpha=0.0)
+    assert replay(lru, reqs) == replay(zero, reqs)
+    assert _contents(lru) == _contents(zero)
+    assert lru.stats()["snapshots_evicted"] > 0
+
+
+def test_tuner_leaves_recency_where_deep_states_pay():
+    reqs = _mixed(60)
+    lru = make_cache(True, 4000, 4, eviction="lru")
+    auto = make_cache(True, 4000, 4, eviction="flop_aware", tune_window=60, tune_every=30)
+    hit_lru = replay(lru, reqs)["cached_tokens"]
+    hit_auto = replay(auto, reqs)["cached_tokens"]
+    history = auto.policy.tuner.history
+    assert len(history) >= 4 and all(alpha in GRID for _, alpha, _ in history)
+    assert auto.policy.alpha > 0  # the deep prompt's state survives the one-off prompts
+    assert hit_auto > 1.5 * hit_lru
+    auto.check_integrity()
+
+
+def test_tuner_stays_at_recency_without_a_clear_win():
+    tuner = AlphaTuner(window=8, every=4, margin=0.05)
+    cache = make_cache(True, 400, 8, eviction="flop_aware", alpha=0.0)
+    for i in range(8):
+        prompt = np.arange(1, 20, dtype=np.int32) + 20 * i
+        tuner.record_match(prompt)
+        tuner.record_insert(np.append(prompt, 7).astype(np.int32))
+    assert len(tuner.requests) == 8 and not tuner.pending
+    assert tuner.tune(cache) == GRID[0]  # nothing hits: every alpha ties, recency stays
+    with pytest.raises(ValueError, match="grid"):
+        AlphaTuner(grid=())
