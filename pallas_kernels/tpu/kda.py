@@ -5,8 +5,7 @@ Same contracts as ``reference.kda.kda_extend_reference`` / ``kda_decode_referenc
 layout is the gated delta rule's (``tpu/gated_delta_rule.py``): chunks of ``BT`` tokens that
 never span two sequences, grid ``(H, NC)`` with heads parallel and chunks in order, the running
 state ``[Dk, Dv]`` in VMEM scratch; the per-channel chunk math is ``kda_chunk.py``'s. Decode
-runs the gated delta rule's decode kernel body, whose ``exp(g) * state`` broadcasts a ``[H, Dk,
-1]`` per-channel decay as well as a ``[H, 1, 1]`` one.
+walks (sequence, head) pairs, one state DMA in and out per step.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from pallas_kernels._common import (
 from pallas_kernels.kda_chunk import SUB, chunk_output, state_after
 from pallas_kernels.reference.kda import check_kda
 from pallas_kernels.tpu.gated_delta_rule import _unit_lower_inverse
-from pallas_kernels.tpu.gated_delta_rule_decode import _gdr_decode_kernel
 
 _F32 = jnp.float32
 
@@ -139,27 +137,58 @@ def kda_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, sn
     return jnp.moveaxis(o, 0, 1), ssm_pool
 
 
+def _kda_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
+                       q_ref,      # [Dk, 1] raw q of (sequence b, head h)
+                       k_ref,      # [Dk, 1] raw k
+                       v_ref,      # [1, Dv]
+                       g_ref,      # [Dk, 1] f32 log-decay per key channel
+                       beta_ref,   # [1, 1] f32
+                       pool_ref,   # [N, H, Dk, Dv] f32 HBM: initial states (alias of pool_out)
+                       o_ref,      # [1, Dv]
+                       pool_out,   # [N, H, Dk, Dv] f32 HBM: new states
+                       state_ref):  # [Dk, Dv] f32 scratch
+    b, h = pl.program_id(0), pl.program_id(1)
+    dk = q_ref.shape[0]
+    pltpu.sync_copy(pool_ref.at[read_ref[b], h], state_ref)
+    q = q_ref[...].astype(_F32)
+    k = k_ref[...].astype(_F32)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=0, keepdims=True) + 1e-6) * (dk ** -0.5)
+    k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=0, keepdims=True) + 1e-6)
+    state = jnp.exp(g_ref[...]) * state_ref[...]
+    u = beta_ref[...] * (v_ref[...].astype(_F32) - jnp.sum(state * k, axis=0, keepdims=True))
+    state = state + k * u
+    o_ref[...] = jnp.sum(state * q, axis=0, keepdims=True).astype(o_ref.dtype)
+    state_ref[...] = state
+
+    @pl.when(write_ref[b] > 0)
+    def _write():
+        pltpu.sync_copy(state_ref, pool_out.at[write_ref[b], h])
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
 def kda_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, interpret: bool = False):
     """Pallas KDA decode; the contract of ``kda_decode_reference``: q, k, g ``[B, H, Dk]``, v
-    ``[B, H, Dv]``, beta ``[B, H]``. Returns ``(o [B, H, Dv] in v.dtype, ssm_pool)``."""
+    ``[B, H, Dv]``, beta ``[B, H]``. Grid ``(B, H)``: one ``[Dk, Dv]`` state per step (the whole
+    ``[H, Dk, Dv]`` state of 32 heads of 128 with its lane-padded ``[H, Dk, 1]`` q, k and decay
+    columns overflows v5e's scoped VMEM in fp32). Returns ``(o [B, H, Dv] in v.dtype,
+    ssm_pool)``."""
     check_kda(q, k, v, g, beta, ssm_pool)
     num_seqs, num_heads, dv = v.shape
     dk = q.shape[-1]
     sq = pl.Squeezed()
-    spec = lambda *last: pl.BlockSpec((sq, num_heads) + last, lambda b, *_: (b, 0, 0, 0))
+    spec = lambda *last: pl.BlockSpec((sq, sq) + last, lambda b, h, *_: (b, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(num_seqs,),
+        num_scalar_prefetch=2, grid=(num_seqs, num_heads),
         in_specs=[spec(dk, 1), spec(dk, 1), spec(1, dv), spec(dk, 1), spec(1, 1),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[spec(1, dv), pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM((num_heads, dk, dv), _F32)])
+        scratch_shapes=[pltpu.VMEM((dk, dv), _F32)])
     o, ssm_pool = pl.pallas_call(
-        _gdr_decode_kernel, grid_spec=grid_spec,
+        _kda_decode_kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((num_seqs, num_heads, 1, dv), v.dtype),
                    jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
         input_output_aliases={2 + 5: 1}, interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
     )(read_slot, write_slot, q[..., None], k[..., None], v[:, :, None, :],
       g.astype(_F32)[..., None], beta.astype(_F32).reshape(num_seqs, num_heads, 1, 1),
       ssm_pool)
