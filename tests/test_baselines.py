@@ -79,3 +79,21 @@ def test_cli(tmp_path):
     rows = main(["--trace", str(trace), "--budgets", "1,2", "--out", str(out)])
     assert [r["budget_gib"] for r in json.loads(out.read_text())] == [1.0, 2.0]
     assert all(r["baseline"] <= r["oracle"] for r in rows)
+
+
+def test_agent_and_synthetic_chat_traces():
+    from mambacache.bench.traces import agent_trace, synthetic_chat_trace
+
+    recs = agent_trace(num_sessions=12, num_tools_prompts=2, tools_len=64, seed=2)
+    firsts = [r for r in recs if r["turn"] == 0]
+    assert len(firsts) == 12 and len({tuple(r["prompt"][:64]) for r in firsts}) == 2
+    by_session: dict[int, list] = {}
+    for r in recs:
+        by_session.setdefault(r["session"], []).append(r)
+    for turns in by_session.values():
+        for prev, nxt in zip(turns, turns[1:], strict=False):
+            head = prev["prompt"] + prev["output"]
+            assert nxt["prompt"][:len(head)] == head
+    chat = synthetic_chat_trace(num_sessions=10, seed=1)
+    assert [r["time_s"] for r in chat] == sorted(r["time_s"] for r in chat)
+    assert all(2 <= len([r for r in chat if r["session"] == s]) <= 10 for s in range(10))
