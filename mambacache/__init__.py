@@ -8,6 +8,7 @@ from mambacache.config import (
     ModelSection,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from mambacache.engine.request import RequestOutput
 from mambacache.engine.sampling_params import SamplingParams
@@ -24,4 +25,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["CacheConfig", "Engine", "EngineConfig", "ModelSection", "ParallelConfig",
-           "RequestOutput", "SamplingParams", "SchedulerConfig"]
+           "RequestOutput", "SamplingParams", "SchedulerConfig", "SpeculativeConfig"]

@@ -16,6 +16,8 @@ from typing import Any
 DTYPES = ("float32", "bfloat16")
 KERNELS = ("auto", "pallas", "reference")
 EVICTIONS = ("lru", "flop_aware")
+SPEC_METHODS = ("none", "ngram", "mtp")
+MAX_DRAFT_TOKENS = 16
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -116,6 +118,37 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``mambacache/engine/speculative.py``): ``method`` ``"none"`` (the
+    default; changes nothing), ``"ngram"`` (prompt lookup) or ``"mtp"``; ``num_draft_tokens``
+    (k) drafts verified per step; ``ngram_min`` / ``ngram_max``: suffix lengths prompt lookup
+    tries, longest first. Verify steps write the state after each of the k + 1 positions to
+    scratch slots outside the cache's (``max_running_requests * (k + 1)`` of them)."""
+
+    method: str = "none"
+    num_draft_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def __post_init__(self):
+        _require(self.method in SPEC_METHODS,
+                 f"speculative.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        _positive("speculative.num_draft_tokens", self.num_draft_tokens)
+        _require(self.num_draft_tokens <= MAX_DRAFT_TOKENS,
+                 f"speculative.num_draft_tokens ({self.num_draft_tokens}) exceeds "
+                 f"{MAX_DRAFT_TOKENS}")
+        _positive("speculative.ngram_min", self.ngram_min)
+        _positive("speculative.ngram_max", self.ngram_max)
+        _require(self.ngram_min <= self.ngram_max,
+                 f"speculative.ngram_min ({self.ngram_min}) exceeds speculative.ngram_max "
+                 f"({self.ngram_max})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """The HTTP server (``python -m mambacache.serve``); the engine itself ignores this section.
 
@@ -158,6 +191,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:

@@ -23,7 +23,8 @@ from mambacache.engine.metrics import EngineMetrics
 from mambacache.engine.request import Request, RequestOutput, Status
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
-from mambacache.engine.step_plan import ScheduledSeq
+from mambacache.engine.speculative import num_state_slots, spec_metrics
+from mambacache.engine.step_plan import ScheduledSeq, first_logit_row
 
 #: consecutive steps that schedule nothing while requests are unfinished before ``generate``
 #: gives up (the scheduler is deterministic: one such step already means none will follow).
@@ -96,7 +97,7 @@ class Engine:
             validate_tensor_parallel(self.model_cfg, cfg.parallel.tensor_parallel)
             self.mesh = make_mesh(cfg.parallel.tensor_parallel)
         pools = PoolState.create(self.model_cfg, cfg.cache.num_pages, cfg.cache.page_size,
-                                 cfg.cache.num_mamba_slots, model_dtype(cfg),
+                                 num_state_slots(cfg), model_dtype(cfg),
                                  sharding=self._pool_sharding())
         self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
                                   page_size=cfg.cache.page_size,
@@ -178,6 +179,7 @@ class Engine:
         """Schedule, run and account one step; returns the requests that finished in it."""
         t_start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        self._flush_slot_copies()  # ends released while scheduling (preemption)
         if not scheduled:
             return []
         if self.cfg.scheduler.check_integrity_every_step:
@@ -191,19 +193,56 @@ class Engine:
             return self._fail_step(scheduled, err)
         # Overlap: the step runs asynchronously; account progress and publish finished prefills
         # to the tree while it does. Only the sampled tokens need the device.
+        # A verify row's progress depends on its sampled tokens: it is recorded after the sync.
         for s in scheduled:
-            self._advance(s)
+            if not s.drafts:
+                self._advance(s)
         t_wait = time.perf_counter()
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         t_synced = time.perf_counter()
-        finished = [out for i, s in enumerate(scheduled) if s.samples
-                    and (out := self._append(s.req, int(tokens[i]), float(logprobs[i]), t_synced))]
+        finished = self._collect(scheduled, tokens, logprobs, t_synced)
+        self._flush_slot_copies()  # ends released by finishes
         now = time.perf_counter()
         self.stats.on_step(self, scheduled, host_s=now - t_start - (t_synced - t_wait),
                            wall_s=now - t_start, busy_s=t_synced - t_dispatch, t_start=t_start)
         if self.cfg.scheduler.check_integrity_every_step:
             self.check_integrity()
         return finished
+
+    def _collect(self, scheduled: list[ScheduledSeq], tokens: np.ndarray, logprobs: np.ndarray,
+                 now: float) -> list[RequestOutput]:
+        """Append each row's sampled token(s) (``tokens``, ``logprobs``: one per logits row);
+        the requests that finished."""
+        finished = []
+        for s, i in zip(scheduled, first_logit_row(scheduled), strict=True):
+            if s.drafts:
+                out = self._accept_verify(s, tokens[i:i + len(s.drafts) + 1],
+                                          logprobs[i:i + len(s.drafts) + 1], now)
+            else:
+                out = s.samples and self._append(s.req, int(tokens[i]), float(logprobs[i]), now)
+            if out:
+                finished.append(out)
+        return finished
+
+    def _accept_verify(self, s: ScheduledSeq, tokens: np.ndarray, logprobs: np.ndarray,
+                       now: float) -> RequestOutput | None:
+        """[speculative] Emit the verified prefix of a verify row plus the target's next token
+        (``engine/speculative.py``); the request's state becomes the one after them."""
+        req, n_out = s.req, len(s.req.output_ids)
+        emitted = self.scheduler.speculative.accept(
+            self.scheduler, s, tokens,
+            lambda j: self._finish_reason(req, int(tokens[j]), n_out + j + 1) is not None)
+        out = None
+        for j in range(emitted):
+            out = self._append(req, int(tokens[j]), float(logprobs[j]), now)
+        return out
+
+    def _flush_slot_copies(self) -> None:
+        """[speculative] Copy scratch end states into the running slots the tree adopted, before
+        any later step can read them (the pools' data dependency orders it)."""
+        spec = self.scheduler.speculative
+        if spec is not None and spec.slot_copies:
+            self.runner.copy_slots(spec.take_copies())
 
     def _advance(self, s: ScheduledSeq) -> None:
         self.scheduler.advance(s)
@@ -218,7 +257,7 @@ class Engine:
         req.token_times_s.append(now)
         if req.first_token_s is None:
             req.first_token_s = now
-        reason = self._finish_reason(req, token)
+        reason = self._finish_reason(req, token, len(req.output_ids))
         if reason is None:
             return None
         self.scheduler.finish(req, reason)
@@ -226,12 +265,13 @@ class Engine:
         self.requests.pop(req.request_id, None)
         return req.to_output()
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
+    def _finish_reason(self, req: Request, token: int, num_out: int) -> str | None:
+        """Why ``req`` ends with ``token`` as its ``num_out``-th output token (None: it goes on)."""
         p = req.params
         eos = getattr(self.model_cfg, "eos_token_id", None)
         if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
             return "stop"
-        if len(req.output_ids) >= p.max_new_tokens:
+        if num_out >= p.max_new_tokens:
             return "length"
         return None
 
@@ -257,6 +297,8 @@ class Engine:
             outs.append(req.to_output())
         if lost:
             self.runner.reset_pools()
+            if self.scheduler.speculative is not None:
+                self.scheduler.speculative.reset()
             self.scheduler.cache = self._new_cache()
         self.stats.failed_steps += 1
         return outs
@@ -277,8 +319,23 @@ class Engine:
 
     # ---- observability ---------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
-        return self.stats.as_dict(self)
+        return {**self.stats.as_dict(self), **spec_metrics(self.scheduler.speculative)}
 
     def check_integrity(self) -> None:
         """Raise if any invariant of the tree, the pools or the requests is broken."""
         check_engine_integrity(self)
+        if self.scheduler.speculative is not None:
+            slots = {n.slot for n in _tree_nodes(self.cache) if n.slot is not None}
+            self.scheduler.speculative.check_lanes(self.scheduler.running, slots)
+        if hasattr(self.runner, "check_tree"):  # the data-flow oracle: tree states vs tokens
+            self.runner.check_tree(self.cache)
+
+
+def _tree_nodes(cache: Any) -> list[Any]:
+    """Every node of every root of ``cache`` (none for the disabled cache)."""
+    out, todo = [], list(getattr(cache, "roots", {}).values())
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        todo.extend(node.children.values())
+    return out

@@ -10,7 +10,9 @@ Invariants (checked by ``Engine.check_integrity``):
     after exactly ``num_computed`` tokens once the first step ran (``state_valid``);
   * a request goes through the decode path only when ``prefilled`` (its prefill's last chunk
     ran); until then its snapshots are published as soon as they are written;
-  * every slot a request reads is its own or the state of ``match_node``, which it keeps locked.
+  * every slot a request reads is its own or the state of ``match_node``, which it keeps locked;
+  * with speculative decoding, ``state_slot`` may be one of ``scratch_slots`` (its lane, outside
+    the cache's slots; ``engine/speculative.py``); ``token_ids`` holds verified tokens only.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Request:
     own_page_ids: np.ndarray = dataclasses.field(  # int32, pages this request allocated
         default_factory=lambda: np.zeros(0, np.int32))
     pending_snapshots: dict[int, int] = dataclasses.field(default_factory=dict)
+    scratch_slots: tuple[int, ...] = ()  # speculative lane: k + 1 slots outside the cache's
     snapshots_in_flight: set[int] = dataclasses.field(default_factory=set)  # scheduled positions
     num_computed: int = 0  # tokens fed through the model (cached ones included)
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)

@@ -17,7 +17,7 @@ import numpy as np
 from mambacache.engine.batch import ForwardBatch, build_forward_batch
 from mambacache.engine.pools import PoolState
 from mambacache.engine.sampling import SamplingBatch, sample
-from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step
+from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, logit_rows
 from models.model import forward as model_forward
 from pallas_kernels import ops
 
@@ -124,17 +124,19 @@ class ModelRunner:
                     num_snapshots=bucket(num_snaps, MIN_SNAPSHOT_BUCKET), num_logits=num_seqs)
 
     def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[jax.Array, jax.Array]:
-        """One step over ``scheduled`` (each ``logits="last"``): sampled tokens and logprobs
-        ``[B]``, still on the device (reading them is the sync point).
+        """One step over ``scheduled``: sampled tokens and logprobs, one per logits row
+        (``step_plan.logit_rows``: one per row, every position of a verify row), still on the
+        device (reading them is the sync point).
 
         A batch where every sequence extends by one token and takes no snapshot runs the decode
         program (``T == B``).
         """
         seqs = [s.spec for s in scheduled]
-        params = [s.req.params if s.samples else None for s in scheduled]
-        steps = [len(s.req.output_ids) for s in scheduled]
+        params, steps = logit_rows(scheduled)
         decode = is_decode_step(seqs)
         shapes = self.shapes_for(seqs)
+        # [speculative] verify rows take logits at every position: more rows than sequences
+        shapes["num_logits"] = max(shapes["num_logits"], bucket(len(params), 1))
         if decode:
             shapes.update(num_tokens=shapes["num_seqs"], num_snapshots=MIN_SNAPSHOT_BUCKET)
         batch = build_forward_batch(seqs, self.page_size, **shapes)
@@ -142,6 +144,15 @@ class ModelRunner:
         self.program_keys.add((decode, *sorted(shapes.items())))
         self.pools, tokens, logprobs = self._fns[decode](self.params, self.pools, batch, sb)
         return tokens, logprobs
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """[speculative] ``pools[dst] <- pools[src]`` for every (src, dst) state slot pair, conv
+        and SSM of every linear layer (a scratch end state into the running slot the tree
+        adopts). Dispatched like a step: ordered by the pools' data dependency."""
+        width = bucket(len(pairs), self.max_seqs)
+        idx = np.zeros((2, width), np.int32)
+        idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+        self.pools = _copy_slots_fn()(self.pools, idx[0], idx[1])
 
     def pools_lost(self) -> bool:
         """True if a failed step consumed the donated pools (they must be rebuilt)."""
@@ -155,6 +166,17 @@ class ModelRunner:
             treedef, [jax.numpy.zeros(s, d, device=x.sharding)  # [parallel] created sharded
                       for (s, d), x in zip(shape_dtype, jax.tree_util.tree_leaves(self.pools),
                                            strict=True)])
+
+
+def _copy_slots(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:
+    """Padding pairs are (0, 0): the zero state onto itself."""
+    return pools.replace(conv=tuple(a.at[dst].set(a[src]) for a in pools.conv),
+                         ssm=tuple(a.at[dst].set(a[src]) for a in pools.ssm))
+
+
+@functools.cache
+def _copy_slots_fn():
+    return jax.jit(_copy_slots, donate_argnums=(0,))
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:

@@ -32,6 +32,7 @@ from mambacache.cache.snapshot_plan import assign_snapshot_slots, plan_snapshots
 from mambacache.config import EngineConfig
 from mambacache.engine.dedup import inflight_branch, shared_with_waiting
 from mambacache.engine.request import Request, Status
+from mambacache.engine.speculative import SpecDecoder
 from mambacache.engine.step_checks import check_step
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
@@ -50,6 +51,8 @@ class Scheduler:
         self.num_finished = 0  # progress: requests finished (any reason)
         self._out: dict[int, ScheduledSeq] = {}
         self._to_publish: list[Request] = []  # prefills whose last step wrote snapshots
+        # [speculative] verify rows instead of decodes when a drafter proposes tokens
+        self.speculative = SpecDecoder(cfg) if cfg.speculative.enabled else None
 
     # ---- admission -------------------------------------------------------------------------
     def _admit(self, req: Request) -> str:
@@ -141,7 +144,8 @@ class Scheduler:
         self._to_publish.clear()
         for req in [r for r in self.running if r.prefilled]:
             if req.status is Status.RUNNING and self._grow_or_preempt(req, req.num_tokens):
-                out[req.request_id] = self._decode_scheduled(req)
+                verify = self.speculative and self.speculative.plan(self, req)
+                out[req.request_id] = verify or self._decode_scheduled(req)
         budget = self.cfg.scheduler.chunked_prefill_size
         for req in [r for r in self.running if not r.prefilled]:
             if budget <= 0:
@@ -163,7 +167,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         for s in out.values():
             s.write_slot = s.write_slot or s.req.running_slot
-            s.spec = self._spec(s)
+            s.spec = self.speculative.verify_spec(s) if s.drafts else self._spec(s)
         return list(out.values())
 
     def _add_chunk(self, req: Request, budget: int) -> int:
@@ -256,7 +260,10 @@ class Scheduler:
         snaps = self._written_snapshots(req, drop_rest=True)
         slot = req.running_slot
         n = req.num_computed
-        if keep and req.state_valid and n % self.page_size == 0 and n not in snaps:
+        end_snapshot = keep and req.state_valid and n % self.page_size == 0 and n not in snaps
+        if self.speculative is not None:  # the lane goes; a scratch end state is copied
+            self.speculative.release(req, end_snapshot=end_snapshot)
+        if end_snapshot:
             snaps[n] = slot
         elif slot is not None:
             self.cache.free_slots(np.asarray([slot], np.int32))

@@ -14,6 +14,14 @@ A wrong read raises ``DataflowError`` naming the request, the slot or page and b
 The sampled token is a function of the prefix only (or, for trace replay, the trace's next
 output token), so cache on and cache off must produce identical outputs: any difference is a
 scheduling bug. It is the simulator's runner (``mambacache.simulate``) and the engine fuzzer's.
+
+Speculative verify rows (``engine/speculative.py``) are checked the same way: their extend is
+``[last token, drafts]``, keyed as that token sequence, so a scratch slot written at a rejected
+offset holds a draft prefix and any later read of it fails; a token is sampled at every
+position. ``markov = m > 0`` makes the token a function of the last ``m`` tokens only (outputs
+fall into cycles, so prompt-lookup drafts hit); the logprob stays a function of the whole
+prefix. ``check_tree`` asserts every state and KV entry the radix tree holds is that of the
+tree's own token path: a draft token in the tree fails it.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ class ShadowRunner:
                  num_slots: int, seed: int = 0,
                  outputs: Callable[[int, int], int | None] | None = None,
                  fail_step: Callable[[int], bool] | None = None,
-                 lose_pools_on_failure: bool = False):
+                 lose_pools_on_failure: bool = False, markov: int = 0):
         self.model_cfg = model_cfg
         self.page_size = page_size
         self._rng = np.random.default_rng(seed)
@@ -62,6 +70,7 @@ class ShadowRunner:
         self._fail_step = fail_step
         self._lose_pools = lose_pools_on_failure
         self._lost = False
+        self.markov = markov
         self.num_steps = 0
         self.decode_steps = 0
         self.run_s = 0.0  # host seconds spent in ``run`` (the oracle's own cost)
@@ -95,6 +104,15 @@ class ShadowRunner:
             keys = self._keys[req.request_id] = self.prefix_keys(req.token_ids)
         return keys
 
+    def _row_tokens(self, s: ScheduledSeq) -> np.ndarray:
+        """The row's token sequence: the request's tokens, or up to a verify row's drafts."""
+        if not s.drafts:
+            return s.req.token_ids
+        return np.concatenate([s.req.token_ids[:s.spec.prefix_len], s.spec.tokens])
+
+    def _row_keys(self, s: ScheduledSeq) -> np.ndarray:
+        return self.prefix_keys(self._row_tokens(s)) if s.drafts else self._req_keys(s.req)
+
     # ---- one step --------------------------------------------------------------------------
     def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
@@ -117,7 +135,7 @@ class ShadowRunner:
         hazards = step_hazards(specs, self.page_size)
         if hazards:
             raise DataflowError(f"step {step}: " + "; ".join(hazards))
-        keys = [self._req_keys(s.req) for s in scheduled]
+        keys = [self._row_keys(s) for s in scheduled]
         for s, k in zip(scheduled, keys, strict=True):
             self._check_reads(s, k)
         for s, k in zip(scheduled, keys, strict=True):
@@ -131,9 +149,12 @@ class ShadowRunner:
 
     def _check_reads(self, s: ScheduledSeq, keys: np.ndarray) -> None:
         spec, rid = s.spec, s.req.request_id
-        n0, end = spec.prefix_len, spec.end
-        if not np.array_equal(np.asarray(spec.tokens), s.req.token_ids[n0:end]):
-            raise DataflowError(f"request {rid}: extend tokens are not tokens[{n0}:{end}]")
+        n0 = spec.prefix_len
+        verified = s.req.token_ids[n0:s.end]
+        if (len(spec.tokens) != len(verified) + len(s.drafts)
+                or not np.array_equal(np.asarray(spec.tokens[:len(verified)]), verified)):
+            raise DataflowError(f"request {rid}: extend tokens are not tokens[{n0}:{s.end}] "
+                                f"+ {len(s.drafts)} drafts")
         if n0 == 0:
             if spec.read_slot != 0:
                 raise DataflowError(f"request {rid} reads slot {spec.read_slot} at position 0")
@@ -165,16 +186,28 @@ class ShadowRunner:
 
     def _sample(self, scheduled: Sequence[ScheduledSeq],
                 keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        vocab = self.model_cfg.vocab_size
-        tokens = np.zeros(len(scheduled), np.int32)
-        logprobs = np.zeros(len(scheduled), np.float32)
-        for i, (s, k) in enumerate(zip(scheduled, keys, strict=True)):
-            h = int(k[s.spec.end - 1])
-            given = self._outputs(s.req.request_id, len(s.req.output_ids)) if self._outputs \
-                else None
-            tokens[i] = given if given is not None else (h >> 17) % vocab
-            logprobs[i] = -((h >> 7) % 1000) / 1000.0
-        return tokens, logprobs
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for s, k in zip(scheduled, keys, strict=True):
+            spec = s.spec
+            ends = range(spec.prefix_len + 1, spec.end + 1) if spec.logits == "all" \
+                else [spec.end]
+            row = self._row_tokens(s) if self.markov else None
+            for j, n in enumerate(ends):
+                given = self._outputs(s.req.request_id, len(s.req.output_ids) + j) \
+                    if self._outputs else None
+                tokens.append(given if given is not None else self._token_after(row, k, n))
+                logprobs.append(-((int(k[n - 1]) >> 7) % 1000) / 1000.0)
+        return np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32)
+
+    def _token_after(self, tokens: np.ndarray | None, keys: np.ndarray, n: int) -> int:
+        """The oracle's next token after the first ``n`` tokens (``keys``: their prefix keys)."""
+        if not self.markov:
+            return (int(keys[n - 1]) >> 17) % self.model_cfg.vocab_size
+        window = np.asarray(tokens[max(n - self.markov, 0):n], np.uint64)
+        with np.errstate(over="ignore"):
+            h = int(((window + np.uint64(1)) * self._coef[:len(window)]).sum(dtype=np.uint64))
+        return (h >> 17) % self.model_cfg.vocab_size
 
     # ---- failures --------------------------------------------------------------------------
     def pools_lost(self) -> bool:
@@ -185,6 +218,36 @@ class ShadowRunner:
             a[:] = 0
         self._lost = False
 
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """``ModelRunner.copy_slots``: the state at ``dst`` becomes the one at ``src``."""
+        for src, dst in pairs:
+            self.slot_len[dst], self.slot_key[dst] = self.slot_len[src], self.slot_key[src]
+
+    def check_tree(self, cache: Any) -> None:
+        """Raise ``DataflowError`` unless every state slot and KV page the radix tree holds is
+        the state / KV of the tree's token path to it (no draft token, no stale row)."""
+        todo = [(root, np.zeros(0, np.int32)) for root in getattr(cache, "roots", {}).values()]
+        while todo:
+            node, path = todo.pop()
+            path = np.concatenate([path, node.key]) if len(node.key) else path
+            if len(path):
+                keys = self.prefix_keys(path)
+                d = node.depth
+                if node.slot is not None and (self.slot_len[node.slot],
+                                              self.slot_key[node.slot]) != (d, keys[d - 1]):
+                    raise DataflowError(f"tree node at depth {d} has slot {node.slot} holding "
+                                        f"the state after {self.slot_len[node.slot]} tokens "
+                                        "of another prefix")
+                first = d - len(node.key)
+                pos = np.arange(first, first + len(node.pages) * self.page_size)
+                pos = pos[pos < d]
+                pages = np.asarray(node.pages, np.int64)[(pos - first) // self.page_size]
+                locs = pages * self.page_size + pos % self.page_size
+                if (self.kv_key[locs] != keys[pos]).any():
+                    raise DataflowError(f"tree node at depth {d}: KV pages {node.pages.tolist()} "
+                                        "hold another prefix")
+            todo.extend((child, path) for child in node.children.values())
+
     def forget(self, request_id: int) -> None:
         self._keys.pop(request_id, None)
 
@@ -193,15 +256,17 @@ class ShadowRunner:
     def for_config(cls, cfg: Any, *, vocab_size: int = 1000, context_len: int = 1 << 20,
                    eos_token_id: int | None = None, **kwargs: Any) -> ShadowRunner:
         """A shadow runner sized for ``cfg``'s pools (an ``EngineConfig``)."""
+        from mambacache.engine.speculative import num_state_slots
+
         return cls(ShadowModelConfig(vocab_size, context_len, eos_token_id),
                    num_pages=cfg.cache.num_pages, page_size=cfg.cache.page_size,
-                   num_slots=cfg.cache.num_mamba_slots, **kwargs)
+                   num_slots=num_state_slots(cfg), **kwargs)
 
     def expected_output(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
         """The tokens a request for ``prompt`` must produce (greedy, no stop): what this runner
         samples when every read is right."""
         tokens = list(prompt)
         for _ in range(num_tokens):
-            h = int(self.prefix_keys(np.asarray(tokens, np.int64))[-1])
-            tokens.append((h >> 17) % self.model_cfg.vocab_size)
+            arr = np.asarray(tokens, np.int64)
+            tokens.append(self._token_after(arr, self.prefix_keys(arr), len(arr)))
         return tokens[len(prompt):]

@@ -20,7 +20,12 @@ from mambacache.engine.step_plan import step_hazards
 
 
 def _own_slots(req: Any) -> set[int]:
-    return {req.running_slot, *req.pending_snapshots.values()} - {None}
+    return {req.running_slot, *req.pending_snapshots.values(), *req.scratch_slots} - {None}
+
+
+def _cache_ids(cache: Any, slots: list[int]) -> np.ndarray:
+    """The slots the cache allocator manages (scratch slots of speculative lanes are above)."""
+    return np.asarray([s for s in slots if s <= cache.slots.num_ids], np.int64)
 
 
 def _check_row(cache: Any, s: Any, page_size: int) -> list[str]:
@@ -32,12 +37,15 @@ def _check_row(cache: Any, s: Any, page_size: int) -> list[str]:
         node = req.match_node
         locked_state = (node is not None and getattr(node, "slot", None) == read
                         and getattr(node, "mamba_lock_ref", 0) > 0)
-        if cache.slots.status_of(np.asarray([read]))[0] == FREE:
+        if read > cache.slots.num_ids and read not in req.scratch_slots:
+            problems.append(f"request {rid} reads scratch slot {read} of another lane")
+        elif read <= cache.slots.num_ids and cache.slots.status_of(np.asarray([read]))[0] == FREE:
             problems.append(f"request {rid} reads FREE slot {read}")
         elif read not in _own_slots(req) and not locked_state:
             problems.append(f"request {rid} reads slot {read}: neither its own nor locked")
     written = spec.written_slots()
-    if written and (cache.slots.status_of(np.asarray(written)) != HELD).any():
+    in_cache = _cache_ids(cache, written)
+    if in_cache.size and (cache.slots.status_of(in_cache) != HELD).any():
         problems.append(f"request {rid} writes slots {written} not all held by a request")
     if not set(written) <= _own_slots(req):
         problems.append(f"request {rid} writes slots {written}, holds {sorted(_own_slots(req))}")

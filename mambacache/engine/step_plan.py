@@ -68,11 +68,37 @@ class ScheduledSeq:
     end: int
     spec: SeqSpec | None = None
     write_slot: int | None = None  # where the step leaves the state (running slot by default)
+    # a verify row (engine/speculative.py): the draft tokens after token ``start`` (not part of
+    # ``req.token_ids``), and the slot the state after offset j + 1 goes to, per j
+    drafts: tuple[int, ...] = ()
+    targets: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token, so its logits give the next token."""
         return self.end == self.req.num_tokens
+
+
+def logit_rows(scheduled: Sequence[ScheduledSeq]) -> tuple[list[Any], list[int]]:
+    """Per logits row of a step, in order: the sampling params (None: not sampled) and the
+    index of the output token drawn there. A ``logits="all"`` row (verify) has one per token."""
+    params: list[Any] = []
+    steps: list[int] = []
+    for s in scheduled:
+        n_out = len(s.req.output_ids)
+        if s.spec.logits == "all":
+            params += [s.req.params] * len(s.spec.tokens)
+            steps += range(n_out, n_out + len(s.spec.tokens))
+        else:
+            params.append(s.req.params if s.samples else None)
+            steps.append(n_out)
+    return params, steps
+
+
+def first_logit_row(scheduled: Sequence[ScheduledSeq]) -> list[int]:
+    """Index of each row's first logits row (``logit_rows``' order)."""
+    counts = [len(s.spec.tokens) if s.spec.logits == "all" else 1 for s in scheduled]
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
 
 
 def is_decode_step(seqs: Sequence[SeqSpec]) -> bool:

@@ -1,0 +1,202 @@
+"""Speculative decoding on the host: verify rows, scratch lanes, acceptance and rollback by slot.
+
+A request past its prefill whose drafter proposes ``m`` (1..k) tokens runs a *verify row*
+instead of a decode: the extend ``[last token, d_1..d_m]`` with logits at every position. The
+state after each offset ``j`` (1..m+1) goes to its own slot: the request's running slot and the
+``k + 1`` scratch slots of its *lane* minus the slot the row reads, so no slot is read and
+written by the same row. After the step, the target's tokens ``t_0..t_m`` (one per position,
+sampled with the request's own per-output-index key) are compared with the drafts: ``a`` drafts
+are accepted while ``d_j == t_{j-1}``, and ``t_0..t_a`` are emitted (cut at a stop). The state
+after the emitted ``e`` tokens is simply the one at offset ``e``: the request reads that slot next
+(rollback by slot choice, no copy). Rejected positions' KV stays in the request's own pages and
+is overwritten by the next extend before anything reads it.
+
+Invariants (``check_lanes``; the data-flow oracle ``ShadowRunner`` checks the reads):
+  * scratch slots are ids ``num_mamba_slots + 1 ..`` of the pools, never the cache allocator's:
+    ``max_running_requests`` lanes of ``k + 1``; a running request holds at most one lane
+    (``Request.scratch_slots``), released with the request;
+  * the tree only ever sees verified tokens: ``Request.token_ids`` grows by accepted tokens
+    only, and a page-boundary snapshot planned inside a verify window is kept only if that
+    position was accepted (freed otherwise);
+  * a request that ends with its state in a scratch slot and inserts an end snapshot gets it
+    copied into its running slot (``slot_copies``, run by the engine before the next step and
+    ordered by the pools' data dependency) -- the only copy, once per request end.
+
+Drafts are deterministic (one-hot draft distribution), so "sample ``t_j`` from the target,
+accept while it equals the draft" is exact rejection sampling: outputs are the target's, and a
+seeded request samples the very tokens it would without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mambacache.config import EngineConfig
+from mambacache.engine.drafters import make_drafter
+from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
+
+
+def num_state_slots(cfg: EngineConfig) -> int:
+    """Usable state slots of the pools: the cache's plus the speculative scratch lanes."""
+    spec = cfg.speculative
+    lanes = cfg.scheduler.max_running_requests if spec.enabled else 0
+    return cfg.cache.num_mamba_slots + lanes * (spec.num_draft_tokens + 1)
+
+
+class SpecDecoder:
+    """Plans verify rows, owns the scratch lanes and the speculative counters."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.k = cfg.speculative.num_draft_tokens
+        self.drafter = make_drafter(cfg.speculative)
+        self.page_size = cfg.cache.page_size
+        self.boundary_snapshots = cfg.cache.enable and self.page_size > 1
+        self.scratch_base = cfg.cache.num_mamba_slots + 1
+        self.num_lanes = cfg.scheduler.max_running_requests
+        self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
+        self.slot_copies: list[tuple[int, int]] = []  # (src scratch, dst running) pending
+        self.verify_steps = self.draft_tokens = self.accepted_tokens = self.emitted_tokens = 0
+
+    # ---- lanes -----------------------------------------------------------------------------
+    def _lane_slots(self, lane: int) -> tuple[int, ...]:
+        first = self.scratch_base + lane * (self.k + 1)
+        return tuple(range(first, first + self.k + 1))
+
+    def _take_lane(self, req: Any) -> None:
+        if not req.scratch_slots:
+            lane = self._free_lanes.pop()  # lanes = max_running_requests: never short
+            req.scratch_slots = self._lane_slots(lane)
+
+    def release(self, req: Any, *, end_snapshot: bool) -> None:
+        """``req`` gives back everything (finish, abort, preemption). ``end_snapshot``: its
+        running slot becomes the end state in the tree, so a scratch state is copied there."""
+        if not req.scratch_slots:
+            return
+        if end_snapshot and req.state_slot in req.scratch_slots:
+            self.slot_copies.append((req.state_slot, req.running_slot))
+        self._free_lanes.append((req.scratch_slots[0] - self.scratch_base) // (self.k + 1))
+        req.scratch_slots = ()
+
+    def reset(self) -> None:
+        """The pools are gone (a failed step consumed them): every lane is free again."""
+        self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
+        self.slot_copies.clear()
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.slot_copies = self.slot_copies, []
+        return copies
+
+    # ---- planning --------------------------------------------------------------------------
+    def plan(self, sched: Any, req: Any) -> ScheduledSeq | None:
+        """A verify row for ``req`` (prefilled, pages grown to ``num_tokens``), or None for a
+        plain decode: no draft, or no room (drafts never preempt: they use pages the request
+        can get without it)."""
+        remaining = req.params.max_new_tokens - len(req.output_ids)
+        drafts = self.drafter.propose(req.token_ids, min(self.k, remaining - 1))
+        start = req.num_computed
+        if drafts and not sched._grow(req, start + 1 + len(drafts)):
+            room = len(req.page_ids) * self.page_size - (start + 1)
+            drafts = drafts[:max(room, 0)]
+        if not drafts:
+            return None
+        self._take_lane(req)
+        m = len(drafts)
+        targets = [s for s in (req.running_slot, *req.scratch_slots) if s != req.state_slot]
+        s = ScheduledSeq(req, start, start + 1, write_slot=targets[m])
+        s.drafts, s.targets = tuple(drafts), tuple(targets[:m + 1])
+        if self.boundary_snapshots:
+            for pos in range(start + 1, start + m + 2):
+                if pos % self.page_size == 0:
+                    got = sched.cache.alloc_slots(1)
+                    if got is None:
+                        sched.cache.record_skipped()
+                    else:
+                        req.pending_snapshots[pos] = int(got[0])
+        return s
+
+    def verify_spec(self, s: ScheduledSeq) -> SeqSpec:
+        """The row: ``[last token, d_1..d_m]``, logits everywhere, a state at every offset."""
+        req, start, m = s.req, s.start, len(s.drafts)
+        window = [(pos, slot) for pos, slot in sorted(req.pending_snapshots.items())
+                  if start < pos <= start + m + 1]
+        req.snapshots_in_flight.update(pos for pos, _ in window)
+        snaps = [(j, s.targets[j - 1]) for j in range(1, m + 1)]
+        snaps += [(pos - start, slot) for pos, slot in window]
+        tokens = np.concatenate([req.token_ids[start:start + 1], np.asarray(s.drafts, np.int32)])
+        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=req.page_ids,
+                       read_slot=req.state_slot, write_slot=s.write_slot, snapshots=snaps,
+                       logits="all")
+
+    # ---- after the step --------------------------------------------------------------------
+    def accept(self, sched: Any, s: ScheduledSeq, tokens: np.ndarray,
+               stops: Callable[[int], bool]) -> int:
+        """Record the outcome of a verify row; returns ``e``, the tokens ``tokens[:e]`` to emit.
+
+        ``tokens[j]``: the target's token after position ``j`` of the row. ``stops(j)``: token
+        ``j`` ends the request (stop token, eos or length), so nothing after it is emitted.
+        """
+        req, start, m = s.req, s.start, len(s.drafts)
+        accepted = accepted_drafts(s.drafts, tokens)
+        emitted = next((j + 1 for j in range(accepted + 1) if stops(j)), accepted + 1)
+        n = start + emitted
+        req.num_computed, req.state_valid = n, True
+        req.state_slot = s.targets[emitted - 1]
+        sched.tokens_computed += emitted
+        self._settle_boundaries(sched, req, start, start + m + 1, n)
+        self.verify_steps += 1
+        self.draft_tokens += m
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+        return emitted
+
+    def _settle_boundaries(self, sched: Any, req: Any, start: int, end: int, n: int) -> None:
+        """Free the window's snapshots past the accepted ``n`` tokens (draft states); if one
+        was accepted, it is the newest page-aligned state: older pending ones go."""
+        window = [pos for pos in req.pending_snapshots if start < pos <= end]
+        kept = [pos for pos in window if pos <= n]
+        drop = [pos for pos in window if pos > n]
+        if kept:
+            drop += [pos for pos in req.pending_snapshots if pos < max(kept)]
+        if drop:
+            sched.cache.free_slots(np.asarray([req.pending_snapshots.pop(p) for p in drop],
+                                              np.int32))
+            req.snapshots_in_flight.difference_update(drop)
+
+    # ---- observability ---------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        v = self.verify_steps
+        return {"spec_verify_steps": v, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens,
+                "spec_accept_rate": self.accepted_tokens / self.draft_tokens
+                if self.draft_tokens else 0.0,
+                "spec_tokens_per_verify": self.emitted_tokens / v if v else 0.0}
+
+    def check_lanes(self, running: list[Any], tree_slots: set[int]) -> None:
+        """Raise if a lane is held twice or lost, or a scratch slot is the tree's."""
+        held = [(r.scratch_slots[0] - self.scratch_base) // (self.k + 1)
+                for r in running if r.scratch_slots]
+        if sorted(held + self._free_lanes) != list(range(self.num_lanes)):
+            raise AssertionError(f"scratch lanes held {sorted(held)} + free "
+                                 f"{sorted(self._free_lanes)} != {self.num_lanes} lanes")
+        foreign = sorted(s for s in tree_slots if s >= self.scratch_base)
+        if foreign:
+            raise AssertionError(f"the tree holds scratch slots {foreign}")
+
+
+def accepted_drafts(drafts: tuple[int, ...], tokens: np.ndarray) -> int:
+    """How many drafts the target agrees with: ``d_j == t_{j-1}`` for ``j = 1..a``."""
+    accepted = 0
+    while accepted < len(drafts) and int(tokens[accepted]) == drafts[accepted]:
+        accepted += 1
+    return accepted
+
+
+def spec_metrics(spec: SpecDecoder | None) -> dict[str, Any]:
+    """The ``spec_*`` keys of ``Engine.metrics()`` (zeros when speculation is off)."""
+    if spec is None:
+        return {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                "spec_accept_rate": 0.0, "spec_tokens_per_verify": 0.0}
+    return spec.metrics()
