@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mambacache.bench.baselines import replay
 from mambacache.cache.radix import make_cache
+from mambacache.cache.replay import as_requests, replay
 from mambacache.cache.tuning import GRID, AlphaTuner
 
 
@@ -28,7 +28,7 @@ def _contents(cache):
 
 
 def test_alpha_zero_is_exactly_lru():
-    reqs = _mixed(12)
+    reqs = as_requests(_mixed(12))
     lru = make_cache(True, 2000, 4, eviction="lru")
     zero = make_cache(True, 2000, 4, eviction="flop_aware", alpha=0.0)
     assert replay(lru, reqs) == replay(zero, reqs)
@@ -37,7 +37,7 @@ def test_alpha_zero_is_exactly_lru():
 
 
 def test_tuner_leaves_recency_where_deep_states_pay():
-    reqs = _mixed(60)
+    reqs = as_requests(_mixed(60))
     lru = make_cache(True, 4000, 4, eviction="lru")
     auto = make_cache(True, 4000, 4, eviction="flop_aware", tune_window=60, tune_every=30)
     hit_lru = replay(lru, reqs)["cached_tokens"]

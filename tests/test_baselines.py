@@ -11,9 +11,9 @@ from mambacache.bench.baselines import (
     budget_row,
     main,
     markdown,
-    replay,
 )
 from mambacache.cache.radix import make_cache
+from mambacache.cache.replay import as_requests, replay
 
 
 def _shared_prefix(groups: int, per_group: int, prefix: int, tail: int, seed: int = 0):
@@ -38,13 +38,13 @@ def test_budget_mapping():
 def test_oracle_hits_any_cached_prefix():
     cache = AttentionOracleCache(256, 64, 1)
     a = list(range(1, 41))
-    replay(cache, [{"prompt": a, "output": [7, 8]}])
+    replay(cache, as_requests([{"prompt": a, "output": [7, 8]}]))
     b = a[:30] + [99] * 10  # leaves a at 30: no state there in a hybrid tree
     assert cache.match_prefix(b).cached_len == 30
     assert cache.match_prefix(a).cached_len == 39  # identical: all but the last token
     cache.check_integrity()
     plain = make_cache(True, num_pages=256, num_slots=64, speculative_states=False)
-    replay(plain, [{"prompt": a, "output": [7, 8]}])
+    replay(plain, as_requests([{"prompt": a, "output": [7, 8]}]))
     assert plain.match_prefix(b).cached_len == 0
 
 
@@ -63,7 +63,7 @@ def test_replay_under_pressure_and_never_fitting_requests():
     reqs = _shared_prefix(3, 8, 40, 9, seed=1)
     reqs.insert(5, {"prompt": list(range(1, 400)), "output": [1]})  # never fits 300 pages
     cache = make_cache(True, num_pages=300, num_slots=6)
-    res = replay(cache, reqs, checkpoint_interval=8, concurrency=3)
+    res = replay(cache, as_requests(reqs), checkpoint_interval=8, concurrency=3)
     assert res["dropped"] == 1 and res["prompt_tokens"] == 24 * 49
     assert 0 < res["cached_tokens"] < 21 * 40
     assert cache.slots.num_held == 0 and cache.pages.num_held == 0

@@ -3,9 +3,9 @@
     python -m mambacache.bench.baselines --trace chat.jsonl --budgets 1,2,5 [--concurrency 1] \\
         [--set cache.eviction=flop_aware] [--out table.json]
 
-Three caches per budget, replayed host-only (``replay``: the simulator's request lifecycle,
-match -> lock -> running slot + pages -> planned snapshots -> insert at finish -> unlock, with
-``concurrency`` requests in flight, the oldest finishing first):
+Three caches per budget, replayed host-only (``mambacache/cache/replay.py``: the request
+lifecycle of the engine without a model, ``concurrency`` requests in flight, the oldest finishing
+first):
 
 * ``defaults``: ``CacheConfig()`` with the budget's pools (and the ``--set`` overrides);
 * ``baseline``: LRU, states only at branch points and request ends
@@ -24,20 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mambacache.cache.node import MatchResult, as_tokens, path_pages
 from mambacache.cache.radix import MambaRadixCache, make_cache_from_config
-from mambacache.cache.snapshot_plan import (
-    assign_snapshot_slots,
-    end_snapshot_is_running_state,
-    end_snapshot_position,
-    plan_snapshots,
-)
+from mambacache.cache.replay import as_requests, replay
 from mambacache.config import CacheConfig, EngineConfig, apply_overrides, parse_set_args
 
 STATE_BYTES = 26.8e6  # one state of a 7B hybrid (conv + SSM of every linear layer)
@@ -88,60 +80,14 @@ def oracle_slots(cfg: CacheConfig, concurrency: int) -> int:
     return 2 * cfg.num_pages + 4 * concurrency + 8
 
 
-def replay(cache: Any, requests: list[dict[str, list[int]]], checkpoint_interval: int = 0,
-           concurrency: int = 1) -> dict[str, int]:
-    """Run ``requests`` through ``cache`` host-only; ``{"prompt_tokens", "cached_tokens",
-    "dropped"}``. A request that does not fit waits for the oldest running one; one that can
-    never fit is dropped."""
-    ps = cache.page_size
-    queue, running = deque(requests), deque()
-    prompt_tokens = cached = dropped = 0
-    while queue or running:
-        while queue and len(running) < concurrency:
-            r = queue[0]
-            prompt = np.asarray(r["prompt"], dtype=np.int32)
-            out = np.asarray(r["output"], dtype=np.int32)
-            tokens = np.concatenate([prompt, out[:-1]]) if len(out) > 1 else prompt
-            m = cache.match_prefix(prompt)
-            cache.lock(m.node)
-            slot = cache.alloc_slots(1)
-            pages = cache.alloc_pages(-(-len(tokens) // ps) - m.cached_len // ps) \
-                if slot is not None else None
-            if pages is None:
-                if slot is not None:
-                    cache.free_slots(slot)
-                cache.unlock(m.node)
-                if running:
-                    break
-                dropped += 1
-                queue.popleft()
-                continue
-            queue.popleft()
-            pos = plan_snapshots(len(prompt), m.cached_len, m.branch_len, ps, checkpoint_interval)
-            snaps = assign_snapshot_slots(cache, pos, m.branch_len, len(prompt), ps)
-            all_pages = np.concatenate([m.page_ids, pages]) if len(m.page_ids) else pages
-            running.append((tokens, m.node, int(slot[0]), all_pages, snaps))
-            prompt_tokens += len(prompt)
-            cached += m.cached_len
-        if running:
-            tokens, node, slot, pages, snaps = running.popleft()
-            total = len(tokens) + 1
-            if end_snapshot_is_running_state(total, ps):
-                snaps.setdefault(end_snapshot_position(total, ps), slot)
-            if slot not in snaps.values():
-                cache.free_slots([slot])
-            cache.insert(tokens, pages, snaps)
-            cache.unlock(node)
-    return {"prompt_tokens": prompt_tokens, "cached_tokens": cached, "dropped": dropped}
-
-
 def _hit(res: dict[str, int]) -> float:
     return res["cached_tokens"] / res["prompt_tokens"] if res["prompt_tokens"] else 0.0
 
 
-def budget_row(requests: list[dict[str, list[int]]], gib: float, concurrency: int = 1,
+def budget_row(records: list[dict[str, list[int]]], gib: float, concurrency: int = 1,
                overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Hit rates of the defaults, the baseline and the oracle at one budget."""
+    """Hit rates of the defaults, the baseline and the oracle at one budget (trace records)."""
+    requests = as_requests(records)
     kv, slots = budget_pools(gib)
     data = apply_overrides({"cache": {"num_kv_tokens": kv, "num_mamba_slots": slots}},
                            overrides or {})

@@ -23,12 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.cache.snapshot_plan import (
-    assign_snapshot_slots,
-    end_snapshot_is_running_state,
-    end_snapshot_position,
-    plan_snapshots,
-)
+from mambacache.cache.replay import replay
 
 GRID = (0.0, 0.25, 1.0, 4.0)
 
@@ -80,32 +75,9 @@ class AlphaTuner:
 
 def _replay(cache: Any, requests: list, scored_from: int, alpha: float) -> int:
     """Prompt tokens hit by a shadow of ``cache`` with ``alpha`` over ``requests[scored_from:]``,
-    one request at a time, snapshots planned by the shadow itself (``snapshot_plan``)."""
+    one request at a time, snapshots planned by the shadow itself."""
     shadow = type(cache)(cache.pages.num_ids, cache.slots.num_ids, cache.page_size,
                          "flop_aware", speculative_states=cache.speculative_states, alpha=alpha,
                          state_bytes_in_tokens=cache.policy.state_tokens,
                          attn_quadratic_tokens=cache.policy.attn_tokens)
-    ps, hit = cache.page_size, 0
-    for i, (prompt, tokens) in enumerate(requests):
-        m = shadow.match_prefix(prompt)
-        if i >= scored_from:
-            hit += m.cached_len
-        shadow.lock(m.node)
-        slot = shadow.alloc_slots(1)
-        pages = shadow.alloc_pages(-(-len(tokens) // ps) - m.cached_len // ps) \
-            if slot is not None else None
-        if pages is None:
-            if slot is not None:
-                shadow.free_slots(slot)
-            shadow.unlock(m.node)
-            continue
-        pos = plan_snapshots(len(prompt), m.cached_len, m.branch_len, ps)
-        snaps = assign_snapshot_slots(shadow, pos, m.branch_len, len(prompt), ps)
-        total = len(tokens) + 1
-        if end_snapshot_is_running_state(total, ps):
-            snaps.setdefault(end_snapshot_position(total, ps), int(slot[0]))
-        if int(slot[0]) not in snaps.values():
-            shadow.free_slots(slot)
-        shadow.insert(tokens, np.concatenate([m.page_ids, pages]), snaps)
-        shadow.unlock(m.node)
-    return hit
+    return replay(shadow, requests, scored_from=scored_from)["cached_tokens"]
