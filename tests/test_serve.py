@@ -152,6 +152,7 @@ BAD = [  # (body, param, words the message must contain)
     ({"prompt": [1, 600]}, "prompt", ["600", "[0, 512)"]),
     ({"prompt": "y" * 5000}, "prompt", ["5000", "context length 4096"]),
     ({"prompt": "x", "max_tokens": 5000}, "prompt", ["max_new_tokens (5000)", "4096"]),
+    ({"prompt": "z" * 3990, "max_tokens": 50}, "prompt", ["4040", "KV pool of 4000 tokens"]),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages", ["at least 1"]),
@@ -231,3 +232,23 @@ def test_models_health_and_metrics(srv, client):
     assert itl["mambacache_inter_token_latency_seconds_count"] >= 2
     prompt = fams["mambacache_prompt_tokens"].samples[0].value
     assert prompt >= len("metrics")
+
+
+def test_failed_step_is_a_500_and_the_server_goes_on(srv, client, monkeypatch):
+    real_run, calls = srv.engine.runner.run, []
+
+    def failing_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return real_run(*args, **kwargs)
+
+    srv.wait_idle()
+    srv.on_engine(lambda e: monkeypatch.setattr(e.runner, "run", failing_run))
+    with pytest.raises(openai.InternalServerError, match="injected step failure"):
+        client.completions.create(model=MODEL, prompt="fail", max_tokens=3, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt="then stream", max_tokens=3,
+                                            stream=True, **GREEDY))
+    assert sum(len(c.choices[0].token_ids) for c in chunks) == 3
+    srv.wait_idle()
+    srv.on_engine(lambda e: e.check_integrity())

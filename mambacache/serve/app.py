@@ -177,6 +177,9 @@ def create_app(engine: Any, tokenizer: Any, serve_cfg: Any, *, model_name: str) 
     async def health() -> Response:
         if not server.loop.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
+        if server.loop.warmup_error is not None:
+            return JSONResponse({"status": "error", "error": server.loop.warmup_error},
+                                status_code=500)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -73,6 +73,7 @@ class EngineLoop:
         self.capacity = engine.cfg.scheduler.max_running_requests + max_waiting
         self.observer = observer
         self.warmup = warmup
+        self.warmup_error: str | None = None
         self.ready = threading.Event()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, RequestStream] = {}
@@ -162,20 +163,22 @@ class EngineLoop:
     def _run(self) -> None:
         if self.warmup:
             t = time.perf_counter()
-            self.engine.generate([WARMUP_PROMPT], SamplingParams(max_new_tokens=2))
+            try:
+                self.engine.generate([WARMUP_PROMPT], SamplingParams(max_new_tokens=2))
+            except Exception as err:  # noqa: BLE001 - reported by /health, then served anyway
+                log.exception("warm-up failed")
+                self.warmup_error = f"{type(err).__name__}: {err}"
             log.info("warm-up done in %.1f s", time.perf_counter() - t)
         self.ready.set()
         while not self._stop:
-            self._drain(block=not self.engine.has_unfinished())
-            if self._stop or not self.engine.has_unfinished():
-                continue
             try:
-                finished = self.engine.step()
+                self._drain(block=not self.engine.has_unfinished())
+                if self._stop or not self.engine.has_unfinished():
+                    continue
+                self._publish(self.engine.step())
             except Exception as err:  # noqa: BLE001 - fail the live requests, keep serving
-                log.exception("engine step failed")
+                log.exception("engine loop failed")
                 self._fail_all(err)
-                continue
-            self._publish(finished)
 
     def _publish(self, finished: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -210,11 +213,12 @@ class EngineLoop:
     def _fail_all(self, err: Exception) -> None:
         """An error outside a model step: abort every live request and report it to each."""
         for rid, stream in list(self._live.items()):
-            out = self.engine.abort(rid)
-            if out is None:
-                continue
-            out.finish_reason, out.error = "error", f"{type(err).__name__}: {err}"
-            stream.put(Delta([], [], out.cached_tokens, out))
+            out = RequestOutput(rid, [], [], [], 0, "error", f"{type(err).__name__}: {err}")
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the request is reported failed either way
+                log.exception("abort of request %d failed", rid)
+            stream.put(Delta([], [], 0, out))
             del self._live[rid]
             self._release()
 
