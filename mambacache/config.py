@@ -96,15 +96,22 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching: how many requests run at once and how prefill is chunked."""
+    """Continuous batching: how many requests run at once and how prefill is chunked.
+
+    ``overlap``: step N+1 is scheduled and dispatched before step N's sampled tokens are read
+    (they reach step N+1 on the device); ``False`` reads each step's tokens before the next.
+    """
 
     max_running_requests: int = 16
     chunked_prefill_size: int = 256
     check_integrity_every_step: bool = False
+    overlap: bool = True
 
     def __post_init__(self):
         _positive("scheduler.max_running_requests", self.max_running_requests)
         _positive("scheduler.chunked_prefill_size", self.chunked_prefill_size)
+        _require(isinstance(self.overlap, bool),
+                 f"scheduler.overlap must be a bool, got {self.overlap!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Cache on = cache off: greedy tokens identical, logprobs within 1e-4 (fp32)."""
+"""Cache on = cache off: greedy tokens identical, logprobs within 1e-4 (fp32); with
+``scheduler.overlap`` on (the default) and off, against the synchronous cache-off reference."""
 
 from __future__ import annotations
 
@@ -27,16 +28,21 @@ def run_workload(engine, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def reference_outputs():
-    return run_workload(make_engine(**{"cache.enable": False}))
+    return run_workload(make_engine(**{"cache.enable": False, "scheduler.overlap": False}))
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("checkpoint_interval", [0, 8])
-@pytest.mark.parametrize("chunk", [13, 64])
-def test_cache_on_equals_off(reference_outputs, page_size, checkpoint_interval, chunk):
+# (page size, checkpoint interval, chunk, overlap): every combination overlapped, two of them
+# synchronous as well (each case costs a workload run, not compiles: shapes are the same)
+CASES = [(p, c, k, True) for p in (1, 4) for c in (0, 8) for k in (13, 64)] + [
+    (4, 8, 13, False), (1, 0, 64, False)]
+
+
+@pytest.mark.parametrize("page_size,checkpoint_interval,chunk,overlap", CASES)
+def test_cache_on_equals_off(reference_outputs, page_size, checkpoint_interval, chunk, overlap):
     engine = make_engine(**{"cache.page_size": page_size,
                             "cache.checkpoint_interval": checkpoint_interval,
-                            "scheduler.chunked_prefill_size": chunk})
+                            "scheduler.chunked_prefill_size": chunk,
+                            "scheduler.overlap": overlap})
     outs = run_workload(engine)
     assert_same_outputs(outs, reference_outputs)
     m = engine.metrics()
@@ -53,8 +59,8 @@ def test_sampled_decoding_same_on_and_off():
     prompts = [prefix + rand_tokens(rng, 4) for _ in range(3)] + [prefix]
     params = [mc.SamplingParams(max_new_tokens=5, temperature=0.8, top_k=40, top_p=0.9, seed=s)
               for s in range(4)]
-    on = make_engine()
-    off = make_engine(**{"cache.enable": False})
+    on = make_engine()  # overlapped
+    off = make_engine(**{"cache.enable": False, "scheduler.overlap": False})
     outs_on = on.generate(prompts, params) + on.generate(prompts, params)
     outs_off = off.generate(prompts, params) + off.generate(prompts, params)
     assert_same_outputs(outs_on, outs_off)

@@ -1,5 +1,6 @@
 """Engine fuzz on the shadow runner: random pools, pages, chunks, checkpoints, extra keys, aborts,
-failing steps and preemption; every read checked by the data-flow oracle, every step's
+stop tokens, failing steps (and, overlapped, failing reads) and preemption, with
+``scheduler.overlap`` on and off; every read checked by the data-flow oracle, every step's
 invariants and the whole engine's integrity checked after each step. Planted bugs must be found.
 """
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from shadow_helpers import greedy, shadow_engine
 
+import mambacache as mc
 from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.shadow_runner import DataflowError
 
@@ -29,15 +31,18 @@ def _workload(rng: np.random.Generator):
     return reqs
 
 
-def _engine(rng: np.random.Generator, reqs, fail_rate: float):
+def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool):
     page = int(rng.choice([1, 2, 4]))
     biggest = max(len(p) + n for p, n, _ in reqs)
     kv = (-(-biggest // page) + int(rng.integers(0, 12))) * page
     lose = bool(rng.random() < 0.3)
     fail_rng = np.random.default_rng(int(rng.integers(1 << 30)))
+    read_rate = fail_rate / 4 if overlap else 0.0  # the synchronous loop never fails a read
     return shadow_engine(
         runner_kwargs={"fail_step": lambda step: bool(fail_rng.random() < fail_rate),
-                       "lose_pools_on_failure": lose},
+                       "lose_pools_on_failure": lose,
+                       "fail_read": lambda step: bool(fail_rng.random() < read_rate)},
+        **{"scheduler.overlap": overlap},
         **{"cache.page_size": page, "cache.num_kv_tokens": kv,
            "cache.num_mamba_slots": int(rng.integers(1, 18)),
            "cache.checkpoint_interval": int(rng.choice([0, 0, 4, 8])),
@@ -46,18 +51,27 @@ def _engine(rng: np.random.Generator, reqs, fail_rate: float):
            "scheduler.max_running_requests": int(rng.integers(1, 7))})
 
 
-def run_fuzz(seed: int, fail_rate: float = 0.02) -> int:
+def _params(eng, rng: np.random.Generator, prompt: list[int], n: int) -> mc.SamplingParams:
+    """Greedy ``n`` tokens; one request in four stops at one of the tokens it will sample."""
+    if rng.random() < 0.75:
+        return greedy(n)
+    stop = int(rng.choice(eng.runner.expected_output(prompt, n)))
+    return mc.SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=(stop,))
+
+
+def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True) -> int:
     """One random scenario to completion; returns the number of steps. Raises on any bug."""
     rng = np.random.default_rng(seed)
     reqs = _workload(rng)
-    eng = _engine(rng, reqs, fail_rate)
+    eng = _engine(rng, reqs, fail_rate, overlap)
     todo = list(reqs)
-    ids: dict[int, tuple[list[int], int]] = {}
+    ids: dict[int, tuple[list[int], mc.SamplingParams]] = {}
     outs = []
     for steps in range(1, MAX_STEPS + 1):
         while todo and rng.random() < 0.5:
             prompt, n, key = todo.pop(0)
-            ids[eng.add_request(prompt, greedy(n), extra_key=key)] = (prompt, n)
+            params = _params(eng, rng, prompt, n)
+            ids[eng.add_request(prompt, params, extra_key=key)] = (prompt, params)
         if ids and rng.random() < 0.03:
             out = eng.abort(int(rng.choice(list(ids))))
             if out is not None:
@@ -72,22 +86,28 @@ def run_fuzz(seed: int, fail_rate: float = 0.02) -> int:
 def _check_outputs(eng, ids, outs, seed: int, steps: int) -> int:
     """Idle: also no leaked page or slot; every completed output is the oracle's."""
     eng.check_integrity()
+    assert eng.in_flight is None  # idle: nothing left on the device to read
     for out in outs:
-        if out.finish_reason == "length":
-            prompt, n = ids[out.request_id]
-            assert out.output_token_ids == eng.runner.expected_output(prompt, n), (seed, out)
+        if out.finish_reason in ("length", "stop"):
+            prompt, params = ids[out.request_id]
+            expected = eng.runner.expected_output(prompt, params.max_new_tokens)
+            if out.finish_reason == "stop":  # cut at the first stop token
+                expected = expected[:expected.index(params.stop_token_ids[0]) + 1]
+            assert out.output_token_ids == expected, (seed, out)
     return steps
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("block", range(4))
-def test_fuzz_engine(block):
-    steps = sum(run_fuzz(seed) for seed in range(block, NUM_SEEDS, 4))
+def test_fuzz_engine(block, overlap):
+    steps = sum(run_fuzz(seed, overlap=overlap) for seed in range(block, NUM_SEEDS, 4))
     assert steps > 200  # the scenarios really ran
 
 
-def test_fuzz_without_failures_finishes_every_request():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fuzz_without_failures_finishes_every_request(overlap):
     for seed in range(100, 108):
-        run_fuzz(seed, fail_rate=0.0)
+        run_fuzz(seed, fail_rate=0.0, overlap=overlap)
 
 
 def _wrong_read_slot(orig):
@@ -108,7 +128,17 @@ def _wrong_end_slot(orig):
     return release
 
 
-@pytest.mark.parametrize("plant", [("_spec", _wrong_read_slot), ("release", _wrong_end_slot)])
+def _wrong_future_row(orig):
+    def spec(self, s):
+        out = orig(self, s)
+        if out.prev_index >= 0:  # the placeholder names the neighbouring row's token
+            return type(out)(**{**out.__dict__, "prev_index": out.prev_index ^ 1})
+        return out
+    return spec
+
+
+@pytest.mark.parametrize("plant", [("_spec", _wrong_read_slot), ("release", _wrong_end_slot),
+                                   ("_spec", _wrong_future_row)])
 def test_fuzz_finds_planted_bugs(monkeypatch, plant):
     name, bug = plant
     monkeypatch.setattr(Scheduler, name, bug(getattr(Scheduler, name)))

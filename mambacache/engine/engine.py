@@ -20,6 +20,7 @@ from mambacache.cache.radix import make_cache
 from mambacache.config import EngineConfig
 from mambacache.engine.checks import check_engine_integrity, validate_request
 from mambacache.engine.metrics import EngineMetrics
+from mambacache.engine.overlap import overlap_step
 from mambacache.engine.request import Request, RequestOutput, Status
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
@@ -82,6 +83,10 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineMetrics()
+        self.in_flight = None  # [overlap] the dispatched step whose tokens are not read yet
+        self._overlap = cfg.scheduler.overlap and not cfg.speculative.enabled
+        if cfg.scheduler.overlap and cfg.speculative.enabled:
+            logging.info("scheduler.overlap with speculative decoding: the synchronous loop runs")
         logging.info("engine ready: %s, %d KV pages of %d tokens, %d state slots, cache %s",
                      type(self.runner).__name__, cfg.cache.num_pages, cfg.cache.page_size,
                      cfg.cache.num_mamba_slots, "on" if cfg.cache.enable else "off")
@@ -149,6 +154,8 @@ class Engine:
         return req.to_output()
 
     def has_unfinished(self) -> bool:
+        """Requests waiting or running; [overlap] a request whose sampled token is not read yet
+        is one of them (a step in flight with no such row holds only dropped tokens)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -176,7 +183,11 @@ class Engine:
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and account one step; returns the requests that finished in it."""
+        """Schedule, run and account one step; returns the requests that finished in it.
+        [overlap] Dispatches step N+1, then reads step N (``engine/overlap.py``): the finished
+        requests are those whose tokens were read in this call."""
+        if self._overlap:
+            return overlap_step(self)
         t_start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self._flush_slot_copies()  # ends released while scheduling (preemption)
@@ -275,20 +286,25 @@ class Engine:
             return "length"
         return None
 
-    def _fail_step(self, scheduled: list[ScheduledSeq], err: Exception) -> list[RequestOutput]:
-        """A step raised: fail its requests; if the donated pools are gone, everything running
-        fails and the pools and the cache start empty (no state can outlive its pools)."""
+    def _fail_step(self, scheduled: list[ScheduledSeq], err: Exception, *,
+                   lost: bool | None = None) -> list[RequestOutput]:
+        """A step raised: fail its requests; if the donated pools are gone (``lost``: the runner
+        says), everything running or with a token in flight fails and the pools and the cache
+        start empty (no state can outlive its pools)."""
         victims = [s.req for s in scheduled]
-        lost = self.runner.pools_lost()
+        lost = self.runner.pools_lost() if lost is None else lost
         if lost:
             victims += [r for r in self.scheduler.running if r not in victims]
+            victims += [r for r in self.scheduler.waiting if r.num_pending]  # [overlap]
         outs = []
         logging.warning("step failed (%s: %s): %d requests fail%s", type(err).__name__, err,
                         len(victims), ", pools lost: the cache starts empty" if lost else "")
         for req in victims:
             req.error = f"{type(err).__name__}: {err}"
             if lost:
-                self.scheduler.running.remove(req)
+                queue = self.scheduler.running if req.status is Status.RUNNING \
+                    else self.scheduler.waiting
+                queue.remove(req)
                 self.scheduler.num_finished += 1
                 req.status, req.finish_reason = Status.FINISHED, "error"
             else:

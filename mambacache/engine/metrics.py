@@ -25,25 +25,46 @@ class EngineMetrics:
 
     busy_s: float = 0.0  # wall time with a step in flight (dispatched, results not read)
     active_s: float = 0.0  # wall time of steps and of the gaps between them while busy
+    overlap_steps: int = 0  # [overlap] steps dispatched while the step before was in flight
+    host_bound_steps: int = 0  # of those, the step before had already finished on the device
     _last_end: float | None = None
+    _in_flight: int = 0
+    _busy_after: bool = False
+    _flight_t: float = 0.0
 
     def on_step(self, engine: Any, scheduled: list, *, host_s: float, wall_s: float,
                 busy_s: float = 0.0, t_start: float | None = None) -> None:
-        self.num_steps += 1
         self.busy_s += busy_s
         gap = t_start - self._last_end if t_start is not None and self._last_end else 0.0
-        self.active_s += wall_s + (gap if engine.has_unfinished() else 0.0)
+        self.active_s += wall_s + (gap if self._busy_after else 0.0)
         self._last_end = (t_start or 0.0) + wall_s
+        # the gap before the next step is busy if work was left at the end of this one
+        self._busy_after = engine.has_unfinished() or self._in_flight > 0
+        self.host_s += host_s
+        self.wall_s += wall_s
+        if not scheduled:  # [overlap] a call that only read the step in flight
+            return
+        self.num_steps += 1
         if all(s.end - s.start == 1 and s.start >= s.req.prompt_len for s in scheduled):
             self.pure_decode_steps += 1
             self.decode_program_steps += is_decode_step([s.spec for s in scheduled])
-        self.host_s += host_s
-        self.wall_s += wall_s
         c = engine.cache  # protected share of each pool (cache.stats()'s usage, without a dict)
         tokens = (c.locked_pages() + c.pages.num_held) / c.pages.num_ids
         states = (c.locked_slots() + c.slots.num_held) / c.slots.num_ids
         self.peak_token_usage = max(self.peak_token_usage, tokens)
         self.peak_mamba_usage = max(self.peak_mamba_usage, states)
+
+    def on_flight(self, t: float, delta: int, *, host_bound: bool | None = None) -> None:
+        """[overlap] A step was dispatched (``delta`` +1) or read / dropped (-1) at ``t``:
+        ``busy_s`` grows by the time at least one step was in flight. ``host_bound``: at this
+        dispatch the step before was in flight but already done on the device (None: unknown)."""
+        if self._in_flight > 0:
+            self.busy_s += t - self._flight_t
+        if host_bound is not None:
+            self.overlap_steps += 1
+            self.host_bound_steps += bool(host_bound)
+        self._in_flight += delta
+        self._flight_t = t
 
     def on_finish(self, req: Any) -> None:
         self.finished_requests += 1
@@ -62,6 +83,8 @@ class EngineMetrics:
             programs_compiled=engine.runner.programs_compiled,
             programs_per_width=engine.runner.programs_per_width(),
             device_idle_share=1.0 - self.busy_s / self.active_s if self.active_s else None,
+            host_bound_share=(self.host_bound_steps / self.overlap_steps
+                              if self.overlap_steps else None),
             preemptions=engine.scheduler.num_preemptions,
             snapshots_kept=stats.get("snapshots_kept", 0),
             snapshots_skipped=stats.get("snapshots_skipped", 0),

@@ -10,6 +10,11 @@ Invariants (checked by ``Engine.check_integrity``):
     after exactly ``num_computed`` tokens once the first step ran (``state_valid``);
   * a request goes through the decode path only when ``prefilled`` (its prefill's last chunk
     ran); until then its snapshots are published as soon as they are written;
+  * overlap (``scheduler.overlap``): ``num_pending`` tokens were sampled by dispatched rows and
+    not read yet (the ``pending_row`` of the step in flight samples the newest). ``token_ids``
+    are the known tokens only; ``num_tokens`` counts the pending ones too. At scheduling time
+    ``num_pending <= 1``: a decoding request's row feeds its pending token from the device, and
+    a request with a pending token is never admitted (it waits for the token to be read);
   * every slot a request reads is its own or the state of ``match_node``, which it keeps locked;
   * with speculative decoding, ``state_slot`` may be one of ``scratch_slots`` (its lane, outside
     the cache's slots; ``engine/speculative.py``); ``token_ids`` holds verified tokens only.
@@ -71,6 +76,8 @@ class Request:
     scratch_slots: tuple[int, ...] = ()  # speculative lane: k + 1 slots outside the cache's
     snapshots_in_flight: set[int] = dataclasses.field(default_factory=set)  # scheduled positions
     num_computed: int = 0  # tokens fed through the model (cached ones included)
+    num_pending: int = 0  # [overlap] tokens sampled by dispatched rows, not read yet
+    pending_row: int = -1  # [overlap] the row of the step in flight that samples the newest
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
     prefilled: bool = False  # the chunk reaching the last token ran: decode from here on
     state_valid: bool = False  # state_slot holds the state after num_computed tokens
@@ -100,7 +107,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.prompt_len + len(self.output_ids)
+        """Prompt, known outputs and pending outputs (``num_pending``)."""
+        return self.prompt_len + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens sampled so far, read or pending: the index of the next one."""
+        return len(self.output_ids) + self.num_pending
 
     @property
     def num_remaining(self) -> int:

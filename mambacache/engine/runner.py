@@ -7,11 +7,13 @@ compiles a bounded number of programs (``programs_compiled``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mambacache.engine.batch import ForwardBatch, build_forward_batch
@@ -33,12 +35,20 @@ def bucket(n: int, minimum: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _step(params: Any, pools: PoolState, batch: ForwardBatch, sb: SamplingBatch, *,
-          cfg: Any, kernels: str, decode: bool, mesh: Any = None):
+def _step(params: Any, pools: PoolState, future: jax.Array, batch: ForwardBatch,
+          sb: SamplingBatch, prev_index: jax.Array, *, cfg: Any, kernels: str, decode: bool,
+          mesh: Any = None):
+    """``future`` int32 ``[F]`` (donated): the previous step's sampled tokens, logits row i at
+    i; ``prev_index`` int32 ``[T]``: -1 (the token in ``batch.input_ids`` is known) or the row
+    of ``future`` that holds the token [overlap]. Returns the new ``future`` with the pools."""
+    known = batch.input_ids
+    ids = jnp.where(prev_index >= 0, future[jnp.maximum(prev_index, 0)], known)
+    batch = dataclasses.replace(batch, input_ids=ids)
     pools, logits = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
                                   mesh=mesh)
     tokens, logprobs = sample(logits, sb)
-    return pools, tokens, logprobs
+    n = min(tokens.shape[0], future.shape[0])
+    return pools, future.at[:n].set(tokens[:n]), tokens, logprobs
 
 
 def jitted_step(cfg: Any, kernels: str, decode: bool):
@@ -56,7 +66,7 @@ def jitted_step(cfg: Any, kernels: str, decode: bool):
 def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str):
     del family  # a cache key only: ``ops`` reads PALLAS_FAMILY when tracing
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode),
-                   donate_argnums=(1,))
+                   donate_argnums=(1, 2))
 
 
 def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
@@ -73,7 +83,7 @@ def _jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out
                          mesh: Any, family: str):
     del family  # a cache key only, as in ``_jitted_step``
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh),
-                   donate_argnums=(1,), out_shardings=(pool_sh, out_sh, out_sh))
+                   donate_argnums=(1, 2), out_shardings=(pool_sh, out_sh, out_sh, out_sh))
 
 
 class ModelRunner:
@@ -90,6 +100,8 @@ class ModelRunner:
         self.page_size = page_size
         self.max_seqs = bucket(max_seqs, 1)
         self.kernels = kernels
+        # [overlap] the last step's sampled tokens, on the device; threaded like the pools
+        self.future = jnp.zeros(self.max_seqs, jnp.int32)
         self._fns = {d: jitted_step(model_cfg, kernels, d) for d in (False, True)}
         self.program_keys: set[tuple] = set()
 
@@ -100,6 +112,7 @@ class ModelRunner:
 
         self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
                                             replicated(mesh), mesh) for d in (False, True)}
+        self.future = jax.device_put(self.future, replicated(mesh))
 
     @property
     def programs_compiled(self) -> int:
@@ -142,7 +155,11 @@ class ModelRunner:
         batch = build_forward_batch(seqs, self.page_size, **shapes)
         sb = SamplingBatch.from_params(list(params), list(steps), shapes["num_logits"])
         self.program_keys.add((decode, *sorted(shapes.items())))
-        self.pools, tokens, logprobs = self._fns[decode](self.params, self.pools, batch, sb)
+        prev = future_index(seqs, shapes["num_tokens"])
+        self.pools, self.future, tokens, logprobs = self._fns[decode](
+            self.params, self.pools, self.future, batch, sb, prev)
+        for x in (tokens, logprobs):  # start the copy back now: the read finds them on the host
+            x.copy_to_host_async()
         return tokens, logprobs
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -156,7 +173,7 @@ class ModelRunner:
 
     def pools_lost(self) -> bool:
         """True if a failed step consumed the donated pools (they must be rebuilt)."""
-        leaves = jax.tree_util.tree_leaves(self.pools)
+        leaves = jax.tree_util.tree_leaves((self.pools, self.future))
         return any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
 
     def reset_pools(self) -> None:
@@ -166,6 +183,7 @@ class ModelRunner:
             treedef, [jax.numpy.zeros(s, d, device=x.sharding)  # [parallel] created sharded
                       for (s, d), x in zip(shape_dtype, jax.tree_util.tree_leaves(self.pools),
                                            strict=True)])
+        self.future = jnp.zeros(self.future.shape, jnp.int32, device=self.future.sharding)
 
 
 def _copy_slots(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:
@@ -177,6 +195,17 @@ def _copy_slots(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:
 @functools.cache
 def _copy_slots_fn():
     return jax.jit(_copy_slots, donate_argnums=(0,))
+
+
+def future_index(seqs: Sequence[SeqSpec], num_tokens: int) -> np.ndarray:
+    """int32 ``[num_tokens]`` (packed like ``build_forward_batch``): ``s.prev_index`` at the last
+    extend token of each sequence that has one, -1 elsewhere (the token is known) [overlap]."""
+    out = np.full(num_tokens, -1, np.int32)
+    ends = np.cumsum([len(s.tokens) for s in seqs]) - 1
+    for s, end in zip(seqs, ends.tolist(), strict=True):
+        if s.prev_index >= 0:
+            out[end] = s.prev_index
+    return out
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:

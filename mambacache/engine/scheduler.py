@@ -49,6 +49,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.tokens_computed = 0  # progress: tokens fed through the model, all requests
         self.num_finished = 0  # progress: requests finished (any reason)
+        self.tokens_read = 0  # progress [overlap]: sampled tokens read one step late
         self._out: dict[int, ScheduledSeq] = {}
         self._to_publish: list[Request] = []  # prefills whose last step wrote snapshots
         # [speculative] verify rows instead of decodes when a drafter proposes tokens
@@ -131,7 +132,13 @@ class Scheduler:
         snaps = [(pos - start, slot) for pos, slot in planned
                  if not (pos == end and slot == s.write_slot)]
         read = req.state_slot if req.state_valid else (req.read_slot or 0)
-        return SeqSpec(tokens=req.token_ids[start:end], prefix_len=start, page_ids=req.page_ids,
+        tokens, prev = req.token_ids[start:end], -1
+        if start + len(tokens) < end:  # [overlap] the last token is still on the device
+            if req.num_pending != 1 or start + len(tokens) + 1 != end:
+                raise AssertionError(f"request {req.request_id}: row [{start}, {end}) needs "
+                                     f"{req.num_pending} pending tokens")
+            tokens, prev = np.append(tokens, np.int32(0)), req.pending_row
+        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=req.page_ids, prev_index=prev,
                        read_slot=read, write_slot=s.write_slot, snapshots=snaps)
 
     # ---- one step --------------------------------------------------------------------------
@@ -143,6 +150,8 @@ class Scheduler:
                 self._publish(req, final=req.prefilled)
         self._to_publish.clear()
         for req in [r for r in self.running if r.prefilled]:
+            if req.num_outputs >= req.params.max_new_tokens:
+                continue  # [overlap] its last token is in flight: it finishes when read
             if req.status is Status.RUNNING and self._grow_or_preempt(req, req.num_tokens):
                 verify = self.speculative and self.speculative.plan(self, req)
                 out[req.request_id] = verify or self._decode_scheduled(req)
@@ -156,6 +165,9 @@ class Scheduler:
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
             req = self.waiting.popleft()
+            if req.num_pending:  # [overlap] preempted with a token in flight: wait for it
+                self.waiting.appendleft(req)
+                break
             verdict = self._admit(req)
             if verdict == "defer":
                 deferred.append(req)
@@ -295,16 +307,24 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str, *, keep: bool = True) -> None:
-        """Insert what ``req`` computed (unless ``keep`` is False) and release it."""
+        """Insert what ``req`` computed (unless ``keep`` is False) and release it. [overlap] A
+        request preempted while its token was in flight may finish waiting, when it is read."""
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
         self.release(req, keep=keep)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.num_finished += 1
 
     # ---- liveness and checks ---------------------------------------------------------------
-    def progress_marker(self) -> tuple[int, int]:
-        """Changes iff a step computed a token or a request finished."""
-        return self.tokens_computed, self.num_finished
+    def token_read(self, req: Request) -> None:
+        """[overlap] The token a dispatched row sampled for ``req`` was read (and appended)."""
+        req.num_pending -= 1
+        self.tokens_read += 1
+
+    def progress_marker(self) -> tuple[int, int, int]:
+        """Changes iff a step computed a token, a sampled token was read or a request finished."""
+        return self.tokens_computed, self.num_finished, self.tokens_read
 
     def describe(self) -> str:
         """The stuck state, for the no-progress error."""

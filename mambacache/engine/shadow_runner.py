@@ -39,6 +39,16 @@ class DataflowError(AssertionError):
     """A step read a state or KV entry that does not hold the prefix it needs."""
 
 
+class _Unreadable:
+    """Sampled tokens whose read raises (``ShadowRunner(fail_read=...)``)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise RuntimeError(f"injected failure reading step {self.step}")
+
+
 class ShadowModelConfig:
     """The few model facts the engine needs without a model (request validation, stop)."""
 
@@ -51,13 +61,17 @@ class ShadowModelConfig:
 class ShadowRunner:
     """The host oracle runner. ``outputs(request_id, step) -> token | None`` overrides sampling
     (trace replay); ``fail_step(step_index) -> bool`` injects a failing step (raised before
-    anything is written, or with the pools lost when ``lose_pools_on_failure``)."""
+    anything is written, or with the pools lost when ``lose_pools_on_failure``);
+    ``fail_read(step_index) -> bool`` a step whose sampled tokens cannot be read (reading them
+    raises). [overlap] A row's placeholder token (``SeqSpec.prev_index``) is resolved from this
+    runner's own previous step, as the device does from its ``future`` buffer."""
 
     def __init__(self, model_cfg: ShadowModelConfig, *, num_pages: int, page_size: int,
                  num_slots: int, seed: int = 0,
                  outputs: Callable[[int, int], int | None] | None = None,
                  fail_step: Callable[[int], bool] | None = None,
-                 lose_pools_on_failure: bool = False, markov: int = 0):
+                 lose_pools_on_failure: bool = False, markov: int = 0,
+                 fail_read: Callable[[int], bool] | None = None):
         self.model_cfg = model_cfg
         self.page_size = page_size
         self._rng = np.random.default_rng(seed)
@@ -69,6 +83,8 @@ class ShadowRunner:
         self._outputs = outputs
         self._fail_step = fail_step
         self._lose_pools = lose_pools_on_failure
+        self._fail_read = fail_read
+        self._future = np.zeros(0, np.int32)  # [overlap] the last step's sampled tokens
         self._lost = False
         self.markov = markov
         self.num_steps = 0
@@ -99,19 +115,43 @@ class ShadowRunner:
                              dtype=np.uint64)
 
     def _req_keys(self, req: Any) -> np.ndarray:
+        """Keys of the request's known tokens (``token_ids``)."""
         keys = self._keys.get(req.request_id)
-        if keys is None or len(keys) != req.num_tokens:
+        if keys is None or len(keys) != req.prompt_len + len(req.output_ids):
             keys = self._keys[req.request_id] = self.prefix_keys(req.token_ids)
         return keys
 
+    def _pending_token(self, s: ScheduledSeq) -> int | None:
+        """[overlap] The token a row's placeholder stands for, from the previous step."""
+        prev = s.spec.prev_index
+        if prev < 0:
+            return None
+        known = s.req.prompt_len + len(s.req.output_ids)
+        if s.req.num_pending != 1 or s.spec.end != known + 1 or prev >= len(self._future):
+            raise DataflowError(f"request {s.req.request_id}: a placeholder at position "
+                                f"{s.spec.end - 1} with {known} tokens known, "
+                                f"{s.req.num_pending} pending, row {prev}")
+        return int(self._future[prev])
+
     def _row_tokens(self, s: ScheduledSeq) -> np.ndarray:
-        """The row's token sequence: the request's tokens, or up to a verify row's drafts."""
-        if not s.drafts:
-            return s.req.token_ids
-        return np.concatenate([s.req.token_ids[:s.spec.prefix_len], s.spec.tokens])
+        """The row's token sequence: the request's tokens (and the token its placeholder stands
+        for), or up to a verify row's drafts."""
+        if s.drafts:
+            return np.concatenate([s.req.token_ids[:s.spec.prefix_len], s.spec.tokens])
+        tok = self._pending_token(s)
+        return s.req.token_ids if tok is None else np.append(s.req.token_ids, np.int32(tok))
 
     def _row_keys(self, s: ScheduledSeq) -> np.ndarray:
-        return self.prefix_keys(self._row_tokens(s)) if s.drafts else self._req_keys(s.req)
+        if s.drafts:
+            return self.prefix_keys(self._row_tokens(s))
+        keys, tok = self._req_keys(s.req), self._pending_token(s)
+        if tok is None:
+            return keys
+        self.prefix_keys(np.zeros(len(keys) + 1, np.int64))  # enough coefficients
+        with np.errstate(over="ignore"):
+            last = (keys[-1] if len(keys) else np.uint64(0)) \
+                + (np.uint64(tok) + np.uint64(1)) * self._coef[len(keys)]
+        return np.append(keys, last)
 
     # ---- one step --------------------------------------------------------------------------
     def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
@@ -140,7 +180,11 @@ class ShadowRunner:
             self._check_reads(s, k)
         for s, k in zip(scheduled, keys, strict=True):
             self._write(s.spec, k)
-        return self._sample(scheduled, keys)
+        tokens, logprobs = self._sample(scheduled, keys)
+        self._future = tokens
+        if self._fail_read is not None and self._fail_read(step):
+            return _Unreadable(step), _Unreadable(step)
+        return tokens, logprobs
 
     def _locs(self, spec: Any, lo: int, hi: int) -> np.ndarray:
         pos = np.arange(lo, hi)
@@ -150,9 +194,12 @@ class ShadowRunner:
     def _check_reads(self, s: ScheduledSeq, keys: np.ndarray) -> None:
         spec, rid = s.spec, s.req.request_id
         n0 = spec.prefix_len
-        verified = s.req.token_ids[n0:s.end]
-        if (len(spec.tokens) != len(verified) + len(s.drafts)
-                or not np.array_equal(np.asarray(spec.tokens[:len(verified)]), verified)):
+        verified = (self._row_tokens(s) if spec.prev_index >= 0 else s.req.token_ids)[n0:s.end]
+        extend = np.asarray(spec.tokens)
+        if spec.prev_index >= 0:  # [overlap] the placeholder, resolved
+            extend = np.append(extend[:-1], np.int32(self._pending_token(s)))
+        if (len(extend) != len(verified) + len(s.drafts)
+                or not np.array_equal(extend[:len(verified)], verified)):
             raise DataflowError(f"request {rid}: extend tokens are not tokens[{n0}:{s.end}] "
                                 f"+ {len(s.drafts)} drafts")
         if n0 == 0:
@@ -194,7 +241,7 @@ class ShadowRunner:
                 else [spec.end]
             row = self._row_tokens(s) if self.markov else None
             for j, n in enumerate(ends):
-                given = self._outputs(s.req.request_id, len(s.req.output_ids) + j) \
+                given = self._outputs(s.req.request_id, s.req.num_outputs + j) \
                     if self._outputs else None
                 tokens.append(given if given is not None else self._token_after(row, k, n))
                 logprobs.append(-((int(k[n - 1]) >> 7) % 1000) / 1000.0)
@@ -216,6 +263,7 @@ class ShadowRunner:
     def reset_pools(self) -> None:
         for a in (self.kv_len, self.kv_key, self.slot_len, self.slot_key):
             a[:] = 0
+        self._future = np.zeros(0, np.int32)
         self._lost = False
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -26,7 +26,9 @@ class SeqSpec:
     ``tokens`` are the extend. ``page_ids`` must cover ``prefix_len + len(tokens)`` tokens (more
     are ignored). ``read_slot`` 0 is the zero state (only with ``prefix_len == 0``);
     ``write_slot`` 0 drops the final state. ``snapshots``: (offset in the extend, 1..len(tokens),
-    destination slot): the state after that many extend tokens.
+    destination slot): the state after that many extend tokens. ``prev_index`` >= 0 [overlap]:
+    the last extend token is a placeholder for the token that row ``prev_index`` of the previous
+    step sampled (still on the device; the step reads it from there).
     """
 
     tokens: Sequence[int]
@@ -36,6 +38,7 @@ class SeqSpec:
     write_slot: int
     snapshots: Sequence[tuple[int, int]] = ()  # (offset in extend, dest slot)
     logits: str = "last"  # "last", "all" or "none"
+    prev_index: int = -1  # [overlap] row of the previous step that samples the last token
 
     @property
     def end(self) -> int:
@@ -85,7 +88,7 @@ def logit_rows(scheduled: Sequence[ScheduledSeq]) -> tuple[list[Any], list[int]]
     params: list[Any] = []
     steps: list[int] = []
     for s in scheduled:
-        n_out = len(s.req.output_ids)
+        n_out = s.req.num_outputs
         if s.spec.logits == "all":
             params += [s.req.params] * len(s.spec.tokens)
             steps += range(n_out, n_out + len(s.spec.tokens))

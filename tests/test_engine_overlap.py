@@ -1,0 +1,79 @@
+"""``scheduler.overlap`` on the real model: a request that stops while its next row is in flight,
+a read that fails, and the step's ``future`` token buffer (cheap cases; the shadow fuzz in
+test_engine_fuzz.py covers the rest both ways)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mambacache as mc
+from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+
+SYNC_OFF = {"cache.enable": False, "scheduler.overlap": False}
+
+
+def test_stop_token_with_a_row_in_flight_is_exact_and_cached():
+    """The stop token's row ran one step late: outputs equal the synchronous loop's, and the
+    release inserts prompt + every output with the running slot as the end state, so the next
+    turn hits all of it."""
+    rng = np.random.default_rng(11)
+    prompts = [rand_tokens(rng, 21), rand_tokens(rng, 17)]
+    free = make_engine(**SYNC_OFF).generate(prompts, mc.SamplingParams(max_new_tokens=8))
+    stops = [o.output_token_ids[3] for o in free]
+    params = [mc.SamplingParams(max_new_tokens=8, stop_token_ids=(t,)) for t in stops]
+    engine = make_engine(**{"scheduler.check_integrity_every_step": True})
+    outs = engine.generate(prompts, params)
+    assert_same_outputs(outs, make_engine(**SYNC_OFF).generate(prompts, params))
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert engine.metrics()["overlap_steps"] > 0
+    turn2 = [o.prompt_token_ids + o.output_token_ids + rand_tokens(rng, 5) for o in outs]
+    again = engine.generate(turn2, mc.SamplingParams(max_new_tokens=3))
+    for out, prev in zip(again, outs, strict=True):
+        assert out.cached_tokens == len(prev.prompt_token_ids) + len(prev.output_token_ids)
+    assert_same_outputs(again, make_engine(**SYNC_OFF).generate(turn2, mc.SamplingParams(
+        max_new_tokens=3)))
+    engine.check_integrity()
+    assert engine.in_flight is None and engine.cache.stats()["slots_held"] == 0
+
+
+class _Unreadable:
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("device lost")
+
+
+def test_failed_read_fails_everything_in_flight_then_serves(monkeypatch):
+    rng = np.random.default_rng(12)
+    engine = make_engine()
+    a = engine.add_request(rand_tokens(rng, 12), mc.SamplingParams(max_new_tokens=6))
+    b = engine.add_request(rand_tokens(rng, 9), mc.SamplingParams(max_new_tokens=6))
+    real_run = engine.runner.run
+    calls = []
+
+    def run(scheduled):
+        tokens, logprobs = real_run(scheduled)
+        calls.append(len(scheduled))
+        return (_Unreadable(), logprobs) if len(calls) == 2 else (tokens, logprobs)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    failed = engine.step() + engine.step() + engine.step()  # step 2's tokens are read in call 3
+    assert sorted(o.request_id for o in failed) == [a, b]
+    assert all(o.finish_reason == "error" and "device lost" in o.error for o in failed)
+    assert not engine.has_unfinished() and engine.in_flight is None
+    engine.check_integrity()
+    prompt = rand_tokens(rng, 15)
+    params = mc.SamplingParams(max_new_tokens=5)
+    assert_same_outputs(engine.generate([prompt], params),
+                        make_engine(**SYNC_OFF).generate([prompt], params))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_config_and_idle_share_reported(overlap):
+    engine = make_engine(**{"scheduler.overlap": overlap})
+    rng = np.random.default_rng(13)
+    engine.generate([rand_tokens(rng, 10) for _ in range(3)], mc.SamplingParams(max_new_tokens=4))
+    m = engine.metrics()
+    assert 0.0 <= m["device_idle_share"] < 1.0
+    assert (m["overlap_steps"] > 0) == overlap  # every later step was dispatched before a read
+    with pytest.raises(ValueError, match="scheduler.overlap"):
+        mc.EngineConfig().replace(**{"scheduler.overlap": "yes"})
