@@ -1,0 +1,169 @@
+"""Speculative decoding on the real tiny model (fp32, reference kernels): the tokens of
+``method = "none"`` exactly, logprobs within 1e-4, greedy and seeded sampling, pages 1 and 4,
+cache on and off, chunk cuts, preemption; a follow-up request hits the verified prefix; and
+a statistical test that accepting while the target's sample equals the draft keeps the target
+distribution.
+
+A random-weight model rarely repeats its prompt, so most tests drive the verify path with a
+drafter that knows the reference continuation and corrupts one draft in three: drafts are
+accepted up to a random offset, so the rollback reads the state of every offset."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mambacache as mc
+from mambacache.engine.sampling import SamplingBatch, sample
+from mambacache.engine.speculative import accepted_drafts
+from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+
+K = 3
+NEW = 12
+
+
+class CheatDrafter:
+    """Proposes the reference continuation with every token at a position ``p % 3 == 1``
+    replaced (so acceptance stops at varying offsets)."""
+
+    def __init__(self, sequences: list[list[int]], vocab: int):
+        self.sequences, self.vocab = sequences, vocab
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        n = len(tokens)
+        for seq in self.sequences:
+            if len(seq) > n and seq[:n] == tokens.tolist():
+                return [(t + 1) % self.vocab if (n + j) % 3 == 1 else t
+                        for j, t in enumerate(seq[n:n + k])]
+        return []
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    shared = rand_tokens(rng, 19)
+    return [shared + rand_tokens(rng, 6), shared + rand_tokens(rng, 11), rand_tokens(rng, 9)]
+
+
+def _params(sampled: bool) -> list[mc.SamplingParams]:
+    if not sampled:
+        return [mc.SamplingParams(max_new_tokens=NEW)] * 3
+    return [mc.SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=50, seed=s)
+            for s in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def references():
+    """method none, cache off: {sampled: outputs}."""
+    eng = make_engine(**{"cache.enable": False})
+    return {sampled: eng.generate(_prompts(), _params(sampled)) for sampled in (False, True)}
+
+
+def _spec_engine(outs, **overrides):
+    eng = make_engine(**{"speculative.method": "ngram", "speculative.num_draft_tokens": K,
+                         "scheduler.check_integrity_every_step": True, **overrides})
+    eng.scheduler.speculative.drafter = CheatDrafter(
+        [o.prompt_token_ids + o.output_token_ids for o in outs], eng.model_cfg.vocab_size)
+    return eng
+
+
+SLOW = pytest.mark.slow  # ~1-2 min each on 2 busy CPU cores (compiles): -m slow
+
+
+@pytest.mark.parametrize("sampled,overrides", [
+    (False, {"cache.page_size": 4, "scheduler.chunked_prefill_size": 13}),
+    pytest.param(False, {"cache.page_size": 1}, marks=SLOW),
+    pytest.param(False, {"cache.page_size": 4, "cache.enable": False}, marks=SLOW),
+    pytest.param(False, {"cache.page_size": 4, "cache.num_kv_tokens": 52,
+                         "cache.num_mamba_slots": 3}, marks=SLOW),
+    pytest.param(True, {"cache.page_size": 1}, marks=SLOW),
+], ids=["page4-chunk13", "page1", "page4-cache-off", "page4-preempt", "sampled-page1"])
+def test_same_as_none(references, sampled, overrides):
+    ref = references[sampled]
+    eng = _spec_engine(ref, **overrides)
+    outs = eng.generate(_prompts(), _params(sampled))
+    assert_same_outputs(outs, ref, atol=1e-4)
+    m = eng.metrics()
+    assert m["spec_verify_steps"] > 0 and 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+    assert m["spec_tokens_per_verify"] > 1.5, m
+    if "cache.num_kv_tokens" in overrides:
+        assert m["preemptions"] > 0, m
+    eng.check_integrity()
+
+
+@SLOW
+@pytest.mark.parametrize("page", [1, 4])
+def test_followup_hits_verified_prefix(references, page):
+    ref = references[False]
+    eng = _spec_engine(ref, **{"cache.page_size": page})
+    first = eng.generate(_prompts()[:1], _params(False)[:1])[0]
+    assert first.output_token_ids == ref[0].output_token_ids
+    follow = first.prompt_token_ids + first.output_token_ids + [5, 6]
+    second = eng.generate([follow], mc.SamplingParams(max_new_tokens=3))[0]
+    computed = len(first.prompt_token_ids) + NEW - 1
+    assert second.cached_tokens == computed // page * page
+    plain = make_engine(**{"cache.enable": False}).generate([follow],
+                                                             mc.SamplingParams(max_new_tokens=3))
+    assert_same_outputs([second], plain)
+
+
+@SLOW
+def test_ngram_drafter_exact(references):
+    """The real drafter (prompt lookup) on prompts that repeat themselves: exact as well."""
+    rng = np.random.default_rng(11)
+    prompts = [(lambda b: b * 3 + b[:4])(rand_tokens(rng, 8)) for _ in range(2)]
+    params = mc.SamplingParams(max_new_tokens=NEW)
+    ref = make_engine(**{"cache.enable": False}).generate(prompts, params)
+    eng = make_engine(**{"speculative.method": "ngram", "speculative.num_draft_tokens": K})
+    assert_same_outputs(eng.generate(prompts, params), ref)
+    assert eng.metrics()["spec_draft_tokens"] > 0
+
+
+def _verify_trials(logits_table: jax.Array, drafts: list[int], num: int) -> np.ndarray:
+    """``num`` seeded runs of the engine's procedure from token 0: verify rows sample the target
+    at every position with fold_in(seed, output index), accept while equal to the draft, repeat
+    until two tokens are out. Returns ``int[num, 2]``."""
+    k, vocab = len(drafts), logits_table.shape[0]
+    out = np.zeros((num, 2), np.int64)
+    seeds = np.arange(num)
+    last = np.zeros(num, np.int64)
+    done = np.zeros(num, np.int64)
+    while (done < 2).any():
+        rows = np.concatenate([last[:, None], np.tile(drafts, (num, 1))], axis=1)  # [num, k+1]
+        steps = done[:, None] + np.arange(k + 1)
+        sb = SamplingBatch(temperature=jnp.ones(num * (k + 1)), top_k=jnp.zeros(num * (k + 1),
+                           jnp.int32), top_p=jnp.ones(num * (k + 1)),
+                           seed=jnp.asarray(np.repeat(seeds, k + 1), jnp.int32),
+                           step=jnp.asarray(steps.reshape(-1), jnp.int32))
+        tokens, _ = sample(logits_table[rows.reshape(-1)], sb)
+        tokens = np.asarray(tokens).reshape(num, k + 1)
+        for i in np.flatnonzero(done < 2):
+            emitted = tokens[i, :accepted_drafts(tuple(drafts), tokens[i]) + 1]
+            take = emitted[:2 - done[i]]
+            out[i, done[i]:done[i] + len(take)] = take
+            done[i] += len(take)
+            last[i] = take[-1]
+    assert vocab == logits_table.shape[1]
+    return out
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Tiny vocabulary (4), a Markov target, drafts [1, 1] (often right, often wrong): the
+    joint law of the first two emitted tokens is the target's (chi-square, 15 dof)."""
+    logits = jnp.log(jnp.asarray([[0.1, 0.6, 0.2, 0.1], [0.3, 0.4, 0.2, 0.1],
+                                  [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]]))
+    num = 20000
+    got = _verify_trials(logits, [1, 1], num)
+    p = np.exp(np.asarray(logits))
+    expected = num * p[0][:, None] * p  # P(y1) P(y2 | y1), starting after token 0
+    counts = np.zeros((4, 4))
+    np.add.at(counts, (got[:, 0], got[:, 1]), 1)
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 37.7, (chi2, counts)  # p = 0.001 critical value at 15 dof
+    # the test has power: emitting the draft whenever it is rejected is caught
+    wrong = got.copy()
+    wrong[got[:, 0] != 1, 0] = 1
+    counts_w = np.zeros((4, 4))
+    np.add.at(counts_w, (wrong[:, 0], wrong[:, 1]), 1)
+    assert ((counts_w - expected) ** 2 / expected).sum() > 1000
