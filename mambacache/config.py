@@ -55,7 +55,8 @@ class CacheConfig:
 
     ``num_kv_tokens`` is the KV pool size in tokens (rounded down to whole pages; page 0 is
     reserved). ``num_mamba_slots`` counts usable recurrent-state slots (slot 0, the zero state, is
-    extra). ``checkpoint_interval`` = 0 disables periodic snapshots. ``speculative_states``: plan
+    extra). ``checkpoint_interval`` = 0 disables periodic snapshots (256 by default: they are
+    speculative, so chat does not pay for them). ``speculative_states``: plan
     the ``prompt_len - 1`` snapshot and the checkpoints as speculative states (kept while slots are
     free or until a hit promotes them; see ``cache/snapshot_plan.py``); false keeps states only at
     branch points and request ends.
@@ -65,7 +66,7 @@ class CacheConfig:
     page_size: int = 1
     num_kv_tokens: int = 16384
     num_mamba_slots: int = 64
-    checkpoint_interval: int = 0
+    checkpoint_interval: int = 256
     eviction: str = "lru"
     speculative_states: bool = True
 
