@@ -63,7 +63,8 @@ class PoolState:
         ``kv_arrays_per_layer`` (2: K and V; 1: MLA, ``v_pages`` empty),
         ``linear_conv_kernel_dim``, ``linear_conv_dim``, ``linear_num_value_heads``,
         ``linear_key_head_dim`` and ``linear_value_head_dim`` (see ``models.config.ModelConfig``).
-        ``sharding``: field name -> ``jax.sharding.Sharding`` (``parallel.pool_field_sharding``);
+        ``sharding``: (field name, shape) -> ``jax.sharding.Sharding``
+        (``parallel.pool_field_sharding``);
         each device then allocates only its shard (no whole pool on one device). ``None``: the
         default device.
         """
@@ -75,7 +76,7 @@ class PoolState:
                      c.linear_value_head_dim)
 
         def zeros(field: str, shape: tuple[int, ...], dt: Any, count: int) -> tuple:
-            device = sharding(field) if sharding is not None else None
+            device = sharding(field, shape) if sharding is not None else None
             return tuple(jnp.zeros(shape, dt, device=device) for _ in range(count))
 
         return cls(

@@ -41,6 +41,7 @@ _PARAM_AXIS = {
     "in_proj": 1, "conv_w": 1, "A_log": 0, "dt_bias": 0, "out_proj": 0,
     "qkv_proj": 1, "o_proj": 0,
     "shared_gate_up": 1, "shared_down": 0,
+    "f_b": 1, "g_b": 1, "b_proj": 1, "q_proj": 1, "k_up": 0, "v_up": 0,  # Kimi Linear
 }
 _MLP_AXIS = {"gate_up": 1, "down": 0}  # dense MLP; MoE experts use axis 0 instead
 
@@ -116,17 +117,24 @@ def pool_specs() -> dict[str, P]:
             "conv": P(None, None, TP), "ssm": P(None, TP, None, None)}
 
 
+def _fit(spec: P, shape: tuple[int, ...], tp: int) -> P:
+    """``spec`` with every split axis that ``tp`` does not divide replicated instead: a layer
+    kind's pool row may have no head axis to split (MLA's latent row: one "KV head", replicated,
+    each device attending with its own query heads). Head counts are validated beforehand."""
+    return P(*(ax if ax is None or shape[i] % tp == 0 else None for i, ax in enumerate(spec)))
+
+
 def pool_field_sharding(mesh: Mesh):
-    """``field name -> NamedSharding`` for ``PoolState.create(..., sharding=...)``."""
-    specs = pool_specs()
-    return lambda field: NamedSharding(mesh, specs[field])
+    """``(field name, shape) -> NamedSharding`` for ``PoolState.create(..., sharding=...)``."""
+    specs, tp = pool_specs(), mesh.shape[TP]
+    return lambda field, shape: NamedSharding(mesh, _fit(specs[field], shape, tp))
 
 
 def pool_shardings(pools: Any, mesh: Mesh) -> Any:
     """``PoolState`` of ``NamedSharding`` (same tree as ``pools``)."""
-    specs = pool_specs()
-    return pools.replace(**{f: tuple(NamedSharding(mesh, specs[f]) for _ in getattr(pools, f))
-                            for f in specs})
+    specs, tp = pool_specs(), mesh.shape[TP]
+    return pools.replace(**{f: tuple(NamedSharding(mesh, _fit(specs[f], a.shape, tp))
+                                     for a in getattr(pools, f)) for f in specs})
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
