@@ -3,8 +3,11 @@
     python -m pallas_kernels.bench [--large] [--iters N] [--out PATH]
 
 Prints, per op and impl, the median time, the achieved bytes/s and FLOP/s (algorithmic counts:
-the inputs/outputs and states each op must move, the token-recurrence FLOPs) and, where the
-device is known, the fraction of its roofline (H200: 4.8 TB/s HBM, ~990 bf16 dense TFLOP/s).
+the inputs/outputs and states each op must move; the chunked algorithm's FLOPs for the prefill)
+and, where the device is known, the fraction of its HBM bandwidth and of the dense peak of the
+dtype the kernel computes in (``COMPUTE_DTYPE``; e.g. H200 fp32 67, tf32 494, bf16 989 TFLOP/s).
+The pools are donated in the timed jit (a fresh copy per call, made outside the timing), as
+the engine donates them; decode runs at B=64 with ``--large``.
 The kernels are the backend's family (``ops.kernel_family``: Triton on GPU, Mosaic on TPU;
 ``PALLAS_FAMILY`` overrides). On CPU they run interpreted, so their times there say nothing
 about the kernel's speed (with ``--large`` they are skipped); the reference times are
@@ -30,31 +33,71 @@ from pallas_kernels.reference import gated_delta_rule as gdr
 from pallas_kernels.reference import paged_attention as attn
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
-ROOFLINES = {  # device_kind substring -> (bytes/s, bf16 FLOP/s)
-    "H200": (4.8e12, 990e12), "H100": (3.35e12, 990e12), "v5 lite": (819e9, 197e12),
-    "v5e": (819e9, 197e12), "v6": (1640e9, 918e12), "v5p": (2765e9, 459e12),
-    "v4": (1200e9, 275e12),
+# device_kind -> HBM bytes/s and dense peak FLOP/s per compute dtype (None: not published).
+# Exact device_kind first ("TPU v5" is v5p, "TPU v5 lite" v5e), then a substring (GPUs).
+_V5E = (819e9, {"bfloat16": 197e12, "float32": None})
+ROOFLINES = {
+    "TPU v5 lite": _V5E, "TPU v5e": _V5E,
+    "TPU v5": (2765e9, {"bfloat16": 459e12, "float32": None}),
+    "TPU v5p": (2765e9, {"bfloat16": 459e12, "float32": None}),
+    "TPU v6 lite": (1640e9, {"bfloat16": 918e12, "float32": None}),
+    "TPU v6e": (1640e9, {"bfloat16": 918e12, "float32": None}),
+    "TPU v4": (1200e9, {"bfloat16": 275e12, "float32": None}),
+    "H200": (4.8e12, {"bfloat16": 989e12, "tf32": 494e12, "float32": 67e12}),
+    "H100": (3.35e12, {"bfloat16": 989e12, "tf32": 494e12, "float32": 67e12}),
 }
+# The dtype each kernel's FLOPs run in, per family: the Mosaic kernels compute in f32 (inputs
+# upcast); the Triton GDR products use tf32 tensor cores, its attention bf16 operands.
+COMPUTE_DTYPE = {
+    "tpu": {"gated_delta_rule_extend": "float32", "gated_delta_rule_decode": "float32",
+            "causal_conv1d_extend": "float32", "paged_attention": "float32"},
+    "gpu": {"gated_delta_rule_extend": "tf32", "gated_delta_rule_decode": "float32",
+            "causal_conv1d_extend": "float32", "paged_attention": "bfloat16"},
+}
+
+
+def roofline(kind: str):
+    """``(bytes/s, {dtype: FLOP/s})`` of a ``device_kind``, or None if unknown."""
+    if kind in ROOFLINES:
+        return ROOFLINES[kind]
+    return next((v for k, v in ROOFLINES.items()
+                 if not k.startswith("TPU") and k.lower() in kind.lower()), None)
 
 
 def _roofline():
     kind = jax.devices()[0].device_kind
-    return kind, next((v for k, v in ROOFLINES.items() if k.lower() in kind.lower()), None)
+    return kind, roofline(kind)
 
 
-def _time(fn, args, iters):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(iters):
+def _time(fn, args, iters, donate: int | None = None):
+    """Median seconds of ``fn(*args)``; with ``donate`` (the pool's index, donated by ``fn``) a
+    fresh copy of that argument is made before each call, outside the timed region."""
+    def call():
+        a = list(args)
+        if donate is not None:
+            a[donate] = jax.block_until_ready(jnp.copy(args[donate]))
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        jax.block_until_ready(fn(*a))
+        return time.perf_counter() - start
+
+    call()
+    return statistics.median(call() for _ in range(iters))
+
+
+def gdr_chunked_flops(num_tokens: int, num_seqs: int, hv: int, dk: int, dv: int,
+                      chunk: int = 64) -> int:
+    """FLOPs of the chunked prefill (what the kernels compute, padding chunks excluded): per
+    (chunk, head) the K K^T and Q K^T products, the triangular inverse (BT^3 / 3 multiply-adds),
+    its application to the values and keys (W, U), Q S0 / K S0 and the state update K^T U."""
+    chunks = -(-num_tokens // chunk) + num_seqs - 1
+    per = (2 * chunk * chunk * dk * 2 + 2 * chunk ** 3 // 3 + 2 * chunk * chunk * (dk + dv)
+           + 2 * chunk * dk * dv * 3 + 2 * chunk * chunk * dv)
+    return chunks * hv * per
 
 
 def _gdr_cases(size):
     t, b, hk, hv, d = (4096, 8, 16, 32, 128) if size == "large" else (256, 4, 2, 4, 64)
+    dec_b = 64 if size == "large" else 8
     rng = np.random.default_rng(0)
     lens = [t // b - 3 * i for i in range(b)]
     case = ragged_case(rng, lens, num_tokens=t, num_seqs=b, snapshots=[(0, 7), (1, 64)])
@@ -64,10 +107,14 @@ def _gdr_cases(size):
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "ssm_pool")] + list(slot_args(case))
     state = hv * d * d * 4
     ext = dict(args=args, bytes=t * (2 * hk * d + 2 * hv * d) * 2 + t * hv * 8
-               + (2 * b + 2) * state, flops=6 * t * hv * d * d)
-    dec_args = [a[:b] for a in args[:5]] + [args[5], case.read_slot, case.write_slot]
-    dec = dict(args=dec_args, bytes=2 * b * state + b * (2 * hk + 2 * hv) * d * 2,
-               flops=6 * b * hv * d * d)
+               + (2 * b + 2) * state, flops=gdr_chunked_flops(t, b, hv, d, d), donate=5)
+    dcase = ragged_case(rng, [1] * dec_b, num_tokens=dec_b, num_seqs=dec_b)
+    dx = gdr_inputs(rng, dcase, hk, hv, d, d)
+    dec_args = [jnp.asarray(dx[n], jnp.bfloat16 if n in "qkv" else None)
+                for n in ("q", "k", "v", "g", "beta", "ssm_pool")]
+    dec_args += [dcase.read_slot, dcase.write_slot]
+    dec = dict(args=dec_args, bytes=2 * dec_b * state + dec_b * (2 * hk + 2 * hv) * d * 2,
+               flops=6 * dec_b * hv * d * d, donate=5)
     return ext, dec
 
 
@@ -79,7 +126,7 @@ def _conv_case(size):
     w = jnp.asarray(rng.normal(size=(kw, c)), jnp.bfloat16)
     pool = jnp.zeros((case.num_slots, kw - 1, c), jnp.bfloat16)
     return dict(args=[x, w, None, pool] + list(slot_args(case)), bytes=2 * t * c * 2,
-                flops=2 * kw * t * c)
+                flops=2 * kw * t * c, donate=3)
 
 
 def _attn_case(size):
@@ -120,10 +167,14 @@ def run(size: str, iters: int) -> list[dict]:
         impls = [("reference", ref_fn), ("pallas", kern_fn)]
         if interp and size == "large":  # interpreted kernels at these sizes take minutes
             impls = impls[:1]
+        donate = case.get("donate")
         for impl, fn in impls:
-            seconds = _time(jax.jit(fn), args, iters)  # outer jit: the pools are not donated
+            jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,))
+            seconds = _time(jitted, args, iters, donate)
             rows.append(dict(op=name, impl=impl if impl == "reference" else f"pallas-{family}",
                              interpret=interp and impl == "pallas",
+                             compute_dtype=("float32" if impl == "reference"
+                                            else COMPUTE_DTYPE[family][name]),
                              ms=seconds * 1e3, bytes_per_s=case["bytes"] / seconds,
                              flops_per_s=case["flops"] / seconds))
     return rows
@@ -138,15 +189,18 @@ def main() -> None:
     kind, roof = _roofline()
     rows = run("large" if opts.large else "small", opts.iters)
     print(f"backend {jax.default_backend()} ({kind}); roofline "
-          + (f"{roof[0] / 1e12:.2f} TB/s, {roof[1] / 1e12:.0f} TFLOP/s" if roof else "unknown"))
-    print(f"{'op':26s} {'impl':22s} {'ms':>9s} {'GB/s':>9s} {'GFLOP/s':>10s} "
+          + (f"{roof[0] / 1e12:.2f} TB/s, peaks (TFLOP/s) "
+             + ", ".join(f"{k} {'?' if v is None else round(v / 1e12)}"
+                         for k, v in roof[1].items()) if roof else "unknown"))
+    print(f"{'op':26s} {'impl':22s} {'dtype':8s} {'ms':>9s} {'GB/s':>9s} {'GFLOP/s':>10s} "
           f"{'%HBM':>6s} {'%FLOP':>6s}")
     for r in rows:
-        frac = (f"{100 * r['bytes_per_s'] / roof[0]:6.1f} {100 * r['flops_per_s'] / roof[1]:6.1f}"
-                if roof else f"{'-':>6s} {'-':>6s}")
+        peak = roof[1].get(r["compute_dtype"]) if roof else None
+        hbm = f"{100 * r['bytes_per_s'] / roof[0]:6.1f}" if roof else f"{'-':>6s}"
+        flop = f"{100 * r['flops_per_s'] / peak:6.1f}" if peak else f"{'-':>6s}"
         label = r["impl"] + (" (interp)" if r["interpret"] else "")
-        print(f"{r['op']:26s} {label:22s} {r['ms']:9.3f} {r['bytes_per_s'] / 1e9:9.2f} "
-              f"{r['flops_per_s'] / 1e9:10.2f} {frac}")
+        print(f"{r['op']:26s} {label:22s} {r['compute_dtype']:8s} {r['ms']:9.3f} "
+              f"{r['bytes_per_s'] / 1e9:9.2f} {r['flops_per_s'] / 1e9:10.2f} {hbm} {flop}")
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(dict(device=kind, roofline=roof, rows=rows), f, indent=1)
