@@ -51,8 +51,9 @@ PRESETS["tiny_qwen3_next_tp4"] = dataclasses.replace(
     linear_num_key_heads=4, linear_num_value_heads=8)
 
 # Mamba2 hybrids (models/mamba2_config.py): linear_* hold the Mamba2 sizes (G=2 groups of N=16
-# state, H=8 heads of P=8), dt clamped as the released configs do.
-_MAMBA2 = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+# state, H=8 heads of P=8), dt clamped as the released configs do. Head, KV-head and expert
+# counts divide 4 (TP 2 and 4 on forced CPU devices; at TP 4 each device gets half a group).
+_MAMBA2 = dict(vocab_size=512, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=8,
                linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                max_position_embeddings=4096, **_MOE)
@@ -66,8 +67,8 @@ PRESETS["tiny_nemotron_h"] = ModelConfig(  # blocks M E M * M - (Mamba, MoE, att
 PRESETS["tiny_granite_4_h"] = ModelConfig(  # M M * M, MoE + shared SwiGLU, muP multipliers
     family="granitemoehybrid", layer_types=_PATTERN[:2] + ("full_attention", "linear_attention"),
     mlp_types=("moe",) * 4, intermediate_size=32, use_rope=False, partial_rotary_factor=1.0,
-    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
-    logits_scaling=4.0, tie_word_embeddings=True, rms_norm_eps=1e-6, **_MAMBA2)
+    embedding_multiplier=0.5, residual_multiplier=0.8, attention_multiplier=0.0625,
+    logits_scaling=2.0, tie_word_embeddings=True, rms_norm_eps=1e-6, **_MAMBA2)
 
 # Kimi Linear (models/kimi_config.py): KDA x3 + MLA (NoPE, latent 32 + shared key 8 per token),
 # first MLP dense, then DeepSeek-style MoE (4 groups of 2 experts, top-2 groups, top-2).

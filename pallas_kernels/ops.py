@@ -253,6 +253,22 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
     return _on_mesh(fn, mesh, specs, _HEADS)(*args)
 
 
+def _ssd_groups(b, c, mesh: Mesh | None):
+    """B, C ``[T, G, N]`` as the "tp" split needs them: as they are when tp divides G; when G
+    divides tp (e.g. Granite 4.0-H's single group) each group repeated ``tp / G`` times, so that
+    device ``i`` receives the one group its heads belong to (heads ``i*H/tp ..``)."""
+    b, c = jnp.asarray(b), jnp.asarray(c)
+    if mesh is None:
+        return b, c
+    tp, groups = mesh.shape[TP_AXIS], b.shape[1]
+    if groups % tp == 0:
+        return b, c
+    if tp % groups:
+        raise ValueError(f"tensor parallel degree {tp} and the SSD groups ({groups}) must "
+                         "divide one another")
+    return jnp.repeat(b, tp // groups, axis=1), jnp.repeat(c, tp // groups, axis=1)
+
+
 def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None):
     """Mamba2 (SSD) prefill (kernels ``tpu/ssd.py``, ``gpu/ssd.py``). x ``[T, H, P]``; dt
@@ -260,8 +276,10 @@ def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, s
     (``-exp(A_log)``), d ``[H]`` f32; b, c ``[T, G, N]`` (heads ``g*H/G ..`` share group g);
     ssm_pool ``[S, H, N, P]`` f32. Returns ``(y [T, H, P] in x.dtype, ssm_pool)`` with
     ``y = h^T C + D x``; finals and snapshots at any offset as ``gated_delta_rule_extend``.
-    With ``mesh``: heads of x, dt, a, d, y and the pool, groups of b, c split over "tp" (tp
-    divides G, so each device's heads are exactly its groups' heads)."""
+    With ``mesh``: heads of x, dt, a, d, y and the pool, groups of b, c split over "tp" (when
+    tp divides G each device's heads are exactly its groups' heads; when G divides tp each
+    device gets its heads' one group, ``_ssd_groups``)."""
+    b, c = _ssd_groups(b, c, mesh)
     args = _arrays((x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
     fn = _kernel(impl, "ssd_extend") or _ssd_ref.ssd_extend_reference
@@ -274,6 +292,7 @@ def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, impl: str,
                mesh: Mesh | None = None):
     """Mamba2 recurrent step, one token per sequence: shapes as ``ssd_extend`` with ``T = B``.
     Returns ``(y, ssm_pool)``. With ``mesh``: split as in ``ssd_extend``."""
+    b, c = _ssd_groups(b, c, mesh)
     args = _arrays((x, dt, a, b, c, d, ssm_pool, read_slot, write_slot))
     fn = _kernel(impl, "ssd_decode") or _ssd_ref.ssd_decode_reference
     vec = P(TP_AXIS)

@@ -41,9 +41,10 @@ _PARAM_AXIS = {
     "in_proj": 1, "conv_w": 1, "A_log": 0, "dt_bias": 0, "out_proj": 0,
     "qkv_proj": 1, "o_proj": 0,
     "shared_gate_up": 1, "shared_down": 0,
+    "conv_b": 0, "D": 0, "shared_up": 1,  # Mamba2 hybrids (models/mamba2_params.py)
     "f_b": 1, "g_b": 1, "b_proj": 1, "q_proj": 1, "k_up": 0, "v_up": 0,  # Kimi Linear
 }
-_MLP_AXIS = {"gate_up": 1, "down": 0}  # dense MLP; MoE experts use axis 0 instead
+_MLP_AXIS = {"gate_up": 1, "up": 1, "down": 0}  # dense MLP; MoE experts use axis 0 instead
 
 
 def validate_tensor_parallel(model_cfg: Any, tp: int, num_devices: int | None = None) -> None:
@@ -62,6 +63,11 @@ def validate_tensor_parallel(model_cfg: Any, tp: int, num_devices: int | None = 
     }
     if "moe" in model_cfg.mlp_types:
         counts["num_experts"] = model_cfg.num_experts
+    if model_cfg.family in ("nemotron_h", "granitemoehybrid"):
+        groups = counts.pop("linear_num_key_heads")  # Mamba2 groups: split, or one per device
+        if groups % tp and tp % groups:
+            raise ValueError(f"parallel.tensor_parallel={tp} and the model's Mamba2 n_groups "
+                             f"({groups}) must divide one another")
     for name, value in counts.items():
         if value % tp:
             raise ValueError(f"parallel.tensor_parallel={tp} must divide the model's {name} "
@@ -89,8 +95,10 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
     ``("layers", "3", "moe", "gate_up")``); a leaf whose split axis ``tp`` does not divide is
     replicated."""
     name = path[-1]
-    if "moe" in path and name in ("gate_up", "down"):
+    if "moe" in path and name in ("gate_up", "up", "down"):
         return _split(shape, 0, tp)  # experts
+    if "mamba" in path and name == "norm":  # Mamba2's grouped norm spans all heads' channels
+        return _split(shape, 0, tp)
     if "mlp" in path and name in _MLP_AXIS:
         return _split(shape, _MLP_AXIS[name], tp)
     return _split(shape, _PARAM_AXIS.get(name), tp)
