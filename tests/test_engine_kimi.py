@@ -52,3 +52,40 @@ def test_identical_prompt_hits_all_but_last_page():
     off = kimi_engine(**{"cache.enable": False}).generate([prompt], greedy)
     assert_same_outputs(first + second, off + off)
     eng.check_integrity()
+
+
+def test_cache_save_restore_and_orbax_round_trip(tmp_path):
+    """The latent pages (k_pages only, no v_pages) and the KDA states survive a warm restart;
+    HF -> Orbax params round trip for the Kimi Linear fixture."""
+    from pathlib import Path
+
+    import jax
+
+    from mambacache.parallel.checkpoint import convert_hf_to_orbax, restore_params
+    from models.loader import load_checkpoint
+
+    over = {"cache.page_size": 4, "cache.checkpoint_interval": 16}
+    rng = np.random.default_rng(2)
+    system = rng.integers(0, 512, 40).tolist()
+    first = [system + rng.integers(0, 512, 9).tolist() for _ in range(2)]
+    greedy = mc.SamplingParams(max_new_tokens=4)
+    engine = kimi_engine(**over)
+    for p in first:
+        engine.generate([p], greedy)
+    engine.save(str(tmp_path / "c"))
+    warm, cold = kimi_engine(**over), kimi_engine(**over)
+    warm.restore(str(tmp_path / "c"))
+    nxt = [first[0], system + rng.integers(0, 512, 5).tolist()]
+    outs_w = [warm.generate([p], greedy)[0] for p in nxt]
+    outs_c = [cold.generate([p], greedy)[0] for p in nxt]
+    assert all(o.cached_tokens >= 40 for o in outs_w) and outs_c[0].cached_tokens == 0
+    assert_same_outputs(outs_w, outs_c)
+    warm.check_integrity()
+
+    src = Path(__file__).parent / "fixtures" / "kimi_linear"
+    cfg = convert_hf_to_orbax(src, tmp_path / "orbax")
+    cfg2, params = restore_params(tmp_path / "orbax")
+    ref_cfg, ref = load_checkpoint(src)
+    assert cfg == cfg2 == ref_cfg and cfg.family == "kimi_linear"
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
