@@ -150,6 +150,8 @@ def granite_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
 def mamba2_from_hf(cls: type, hf: Mapping[str, Any], family: str) -> Any:
     """Build a ``ModelConfig`` (``cls``) for a Mamba2-hybrid family."""
     fields = nemotron_from_hf(hf) if family == "nemotron_h" else granite_from_hf(hf)
+    h, g = fields["linear_num_value_heads"], fields["linear_num_key_heads"]
+    _require(h % g == 0, f"Mamba2 heads ({h}) must be a multiple of n_groups ({g})")
     return cls(vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **fields)
@@ -158,7 +160,7 @@ def mamba2_from_hf(cls: type, hf: Mapping[str, Any], family: str) -> Any:
 def validate_mamba2(cfg: Any) -> None:
     """``ValueError`` unless ``cfg`` is a consistent Mamba2-hybrid config."""
     h, g = cfg.linear_num_value_heads, cfg.linear_num_key_heads
-    _require(h % g == 0, f"mamba heads ({h}) must be a multiple of n_groups ({g})")
+    _require(h % g == 0, f"Mamba2 heads ({h}) must be a multiple of n_groups ({g})")
     lo, hi = cfg.time_step_limit
     _require(0.0 <= lo < hi, f"time_step_limit {cfg.time_step_limit} must satisfy 0 <= lo < hi")
     pairs = list(zip(cfg.layer_types, cfg.mlp_types, strict=True))
