@@ -31,13 +31,20 @@ def _positive(name: str, value: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """Which model to serve: a Hugging Face directory (``path``) or a seeded random ``preset``."""
+    """Which model to serve: a Hugging Face directory (``path``) or a seeded random ``preset``.
+
+    ``init_branch_scale`` (random init only): every matrix inside the layers is multiplied by
+    it, so below 1 the residual branches shrink against the embedding and the next token depends
+    mostly on the last one: greedy output falls into cycles, like a real model repeating a
+    document (the ``spec_ngram`` benchmark; same shapes and compute as the preset).
+    """
 
     path: str | None = None
     preset: str = "tiny_qwen3_next"
     seed: int = 0
     dtype: str = "float32"
     kernels: str = "auto"
+    init_branch_scale: float = 1.0
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -45,6 +52,8 @@ class ModelSection:
             self.kernels in KERNELS, f"model.kernels must be one of {KERNELS}, got {self.kernels!r}"
         )
         _require(isinstance(self.seed, int), f"model.seed must be an int, got {self.seed!r}")
+        _require(isinstance(self.init_branch_scale, int | float) and self.init_branch_scale > 0,
+                 f"model.init_branch_scale must be > 0, got {self.init_branch_scale!r}")
         if self.path == "":
             object.__setattr__(self, "path", None)
 

@@ -167,3 +167,25 @@ def test_rejection_sampling_keeps_the_target_distribution():
     counts_w = np.zeros((4, 4))
     np.add.at(counts_w, (wrong[:, 0], wrong[:, 1]), 1)
     assert ((counts_w - expected) ** 2 / expected).sum() > 1000
+
+
+@SLOW
+@pytest.mark.parametrize("preset", ["tiny_qwen3_5", "tiny_nemotron_h", "tiny_granite_4_h",
+                                    "tiny_kimi_linear"])
+def test_every_family(preset):
+    """Every family's recurrent layers write the per-offset states of a verify row through the
+    same ops (snapshot targets): tokens and logprobs of method none, page 4, cache on."""
+    from mambacache.engine.engine import Engine, load_model
+
+    cfg = mc.EngineConfig().replace(**{"model.preset": preset, "model.kernels": "reference",
+                                       "cache.page_size": 4, "cache.num_mamba_slots": 16,
+                                       "cache.num_kv_tokens": 2000})
+    model = load_model(cfg)
+    params = _params(False)
+    ref = Engine(cfg.replace(**{"cache.enable": False}), model=model).generate(_prompts(), params)
+    eng = Engine(cfg.replace(**{"speculative.method": "ngram", "speculative.num_draft_tokens": K,
+                                "scheduler.check_integrity_every_step": True}), model=model)
+    eng.scheduler.speculative.drafter = CheatDrafter(
+        [o.prompt_token_ids + o.output_token_ids for o in ref], model[0].vocab_size)
+    assert_same_outputs(eng.generate(_prompts(), params), ref)
+    assert eng.metrics()["spec_accepted_tokens"] > 0

@@ -207,3 +207,26 @@ def test_planted_rollback_bugs_are_found(monkeypatch, plant):
     with pytest.raises((DataflowError, AssertionError)):
         for seed in range(24):
             _fuzz(seed)
+
+
+def test_bench_compares_speculative_on_off():
+    from mambacache.bench.cli import load_setup, mode_configs
+    from mambacache.bench.report import format_table, markdown_rows
+
+    setup = load_setup("configs/bench/spec_ngram.toml")
+    cfgs = mode_configs(setup.engine)
+    assert list(cfgs) == ["spec_on", "spec_off"]
+    assert cfgs["spec_on"].speculative.method == "ngram" and cfgs["spec_on"].cache.enable
+    assert cfgs["spec_off"].speculative.method == "none" and cfgs["spec_off"].cache.enable
+    assert list(mode_configs(mc.EngineConfig())) == ["cache_on", "cache_off"]
+    stats = {"request_throughput": 2.0, "input_throughput": 1.0, "output_throughput": 3.0,
+             "ttft_mean": 0.1, "ttft_p99": 0.2, "tpot_mean": 0.01, "hit_rate": 0.0,
+             "ideal_hit_rate": 0.0, "computed_prefill_tokens": 10, "spec_tokens_per_verify": 3.5}
+    result = {"modes": ["spec_on", "spec_off"], "spec_on": stats,
+              "spec_off": {**stats, "output_throughput": 1.5, "spec_tokens_per_verify": 0.0},
+              "ratios": {"output_throughput": 2.0, "request_throughput": 1.0}, "warmup_s": 1.0,
+              "warmup_programs_compiled": 3, "runs": {"spec_on": [{}], "spec_off": [{}]},
+              "config": "configs/bench/spec_ngram.toml"}
+    table = format_table(result)
+    assert "spec on" in table and "tokens per verify row" in table and "2.000x" in table
+    assert [r.split(" | ")[1] for r in markdown_rows(result)] == ["spec on", "spec off"]

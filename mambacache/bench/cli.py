@@ -8,6 +8,9 @@ Both modes share one loaded model and, through ``jitted_step``'s cache, the comp
 Warm-up passes (untimed) run the whole workload per mode first, so that the timed passes compile
 nothing; ``timed_new_programs`` reports any program a timed pass used that warm-up did not.
 Timed passes alternate on/off (``repeats`` pairs, who goes first alternating); medians reported.
+
+A config with ``[speculative] method != "none"`` compares speculative decoding on vs off instead
+(``spec_on`` / ``spec_off``, the cache as configured): same model, same workload, same process.
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ from mambacache.config import (
 )
 
 MODES = {"cache_on": True, "cache_off": False}
+SPEC_MODES = ("spec_on", "spec_off")
+
+
+def mode_configs(engine: EngineConfig) -> dict[str, EngineConfig]:
+    """The two engine configs a benchmark compares, by mode name (on first)."""
+    if engine.speculative.enabled:
+        return {"spec_on": engine, "spec_off": engine.replace(**{"speculative.method": "none"})}
+    return {m: engine.replace(**{"cache.enable": on}) for m, on in MODES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +90,8 @@ def run_bench(setup: BenchSetup, *, progress: bool = True) -> dict[str, Any]:
     model = load_model(setup.engine)
     load_s = time.perf_counter() - t
     vocab = model[0].vocab_size
-    cfgs = {m: setup.engine.replace(**{"cache.enable": on}) for m, on in MODES.items()}
+    cfgs = mode_configs(setup.engine)
+    modes = list(cfgs)
 
     def one_pass(mode: str, label: str, show: bool) -> tuple[dict[str, Any], set]:
         engine = Engine(cfgs[mode], model=model)
@@ -90,26 +102,26 @@ def run_bench(setup: BenchSetup, *, progress: bool = True) -> dict[str, Any]:
     t = time.perf_counter()
     warm_keys: set = set()
     for i in range(setup.bench.warmup):
-        for mode in MODES:
+        for mode in modes:
             warm_keys |= one_pass(mode, f"warmup {i + 1} {mode}", progress)[1]
     warmup_s = time.perf_counter() - t
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    new_keys: dict[str, set] = {m: set() for m in MODES}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    new_keys: dict[str, set] = {m: set() for m in modes}
     for r in range(setup.bench.repeats):
-        order = list(MODES) if r % 2 == 0 else list(MODES)[::-1]
+        order = modes if r % 2 == 0 else modes[::-1]
         for mode in order:
             stats, keys = one_pass(mode, f"run {r + 1} {mode}", progress)
             runs[mode].append(stats)
             new_keys[mode] |= keys - warm_keys
     result: dict[str, Any] = {"model_load_s": load_s, "warmup_s": warmup_s,
-                              "warmup_programs_compiled": len(warm_keys)}
-    for mode in MODES:
+                              "warmup_programs_compiled": len(warm_keys), "modes": modes}
+    for mode in modes:
         result[mode] = _median_dict(runs[mode])
         result[mode]["timed_new_programs"] = len(new_keys[mode])
-    result["ratios"] = ratios(result["cache_on"], result["cache_off"])
+    result["ratios"] = ratios(result[modes[0]], result[modes[1]])
     result["runs"] = {m: [{k: r[k] for k in ("request_throughput", "input_throughput",
                                              "output_throughput", "duration_s")}
-                          for r in runs[m]] for m in MODES}
+                          for r in runs[m]] for m in modes}
     return result
 
 

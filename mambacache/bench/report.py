@@ -33,6 +33,9 @@ ROWS = (
     ("programs_compiled", "programs used", "{:d}"),
     ("timed_new_programs", "compiled while timed", "{:d}"),
     ("host_share", "host share of wall time", "{:.3f}"),
+    ("spec_verify_steps", "verify rows (speculative)", "{:d}"),
+    ("spec_accept_rate", "draft acceptance rate", "{:.3f}"),
+    ("spec_tokens_per_verify", "tokens per verify row", "{:.2f}"),
     ("duration_s", "duration (s)", "{:.2f}"),
     ("completed", "completed requests", "{:d}"),
     ("failed", "failed requests", "{:d}"),
@@ -54,10 +57,17 @@ def _fmt(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
+def modes_of(result: dict[str, Any]) -> list[str]:
+    """The two compared modes, on first: ``cache_on``/``cache_off`` or ``spec_on``/``spec_off``."""
+    return list(result.get("modes", ("cache_on", "cache_off")))
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """A plain-text table: one row per metric, columns cache on, cache off, on / off."""
-    on, off, rat = result["cache_on"], result["cache_off"], result["ratios"]
-    lines = [f"{'metric':<28}{'cache on':>14}{'cache off':>14}{'on/off':>10}", "-" * 66]
+    """A plain-text table: one row per metric, columns on, off, on / off."""
+    modes = modes_of(result)
+    on, off, rat = result[modes[0]], result[modes[1]], result["ratios"]
+    names = [m.replace("_", " ") for m in modes]
+    lines = [f"{'metric':<28}{names[0]:>14}{names[1]:>14}{'on/off':>10}", "-" * 66]
     for key, label, fmt in ROWS:
         if key not in on:
             continue
@@ -66,7 +76,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{'-' if r is None else f'{r:.3f}x':>10}")
     lines.append(f"warm-up (untimed): {result['warmup_s']:.1f} s, "
                  f"{result['warmup_programs_compiled']} programs compiled; "
-                 f"timed passes per mode: {len(result['runs']['cache_on'])} (medians)")
+                 f"timed passes per mode: {len(result['runs'][modes[0]])} (medians)")
     return "\n".join(lines)
 
 
@@ -90,15 +100,17 @@ def require_matplotlib():
 def write_plot(result: dict[str, Any], path: str | Path) -> None:
     """Three bar panels, cache on vs off: throughputs, latencies (ms), hit rate vs ideal."""
     plt = require_matplotlib()
-    on, off = result["cache_on"], result["cache_off"]
+    modes = modes_of(result)
+    on, off = result[modes[0]], result[modes[1]]
+    names = [m.replace("_", " ") for m in modes]
     panels = (("throughput", ("request_throughput", "input_throughput", "output_throughput"), 1),
               ("latency (ms)", ("ttft_mean", "ttft_p99", "tpot_mean", "e2e_latency_mean"), 1000),
               ("hit rate", ("hit_rate", "ideal_hit_rate"), 1))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (title, keys, scale) in zip(axes, panels, strict=True):
         xs = range(len(keys))
-        ax.bar([x - 0.2 for x in xs], [(on[k] or 0) * scale for k in keys], 0.4, label="cache on")
-        ax.bar([x + 0.2 for x in xs], [(off[k] or 0) * scale for k in keys], 0.4, label="cache off")
+        ax.bar([x - 0.2 for x in xs], [(on[k] or 0) * scale for k in keys], 0.4, label=names[0])
+        ax.bar([x + 0.2 for x in xs], [(off[k] or 0) * scale for k in keys], 0.4, label=names[1])
         ax.set_xticks(list(xs), [k.replace("_", "\n") for k in keys], fontsize=8)
         ax.set_title(title)
         if title == "throughput":
@@ -119,10 +131,12 @@ def markdown_rows(result: dict[str, Any]) -> list[str]:
     """Two README table rows (cache on, cache off) for one ``--out`` JSON."""
     name = Path(str(result.get("config", "?"))).stem
     rows = []
-    for mode in ("cache_on", "cache_off"):
+    modes = modes_of(result)
+    for mode in modes:
         m = result[mode]
-        ratio = f"{result['ratios']['request_throughput']:.2f}x" if mode == "cache_on" else ""
-        rows.append(f"| {name} | {mode.replace('cache_', '')} | {m['request_throughput']:.2f} "
+        ratio = f"{result['ratios']['request_throughput']:.2f}x" if mode == modes[0] else ""
+        label = mode.replace("cache_", "").replace("_", " ")
+        rows.append(f"| {name} | {label} | {m['request_throughput']:.2f} "
                     f"| {m['input_throughput']:.0f} | {m['output_throughput']:.1f} "
                     f"| {1000 * m['ttft_mean']:.0f} / {1000 * m['ttft_p99']:.0f} "
                     f"| {_fmt(m['tpot_mean'], 'ms')} "

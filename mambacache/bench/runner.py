@@ -151,7 +151,9 @@ def summarize(done: list[Finished], duration_s: float) -> dict[str, Any]:
 ENGINE_KEYS = ("hit_rate", "prompt_tokens", "cached_tokens", "computed_prefill_tokens",
                "peak_token_usage", "peak_mamba_usage", "snapshots_kept", "snapshots_skipped",
                "snapshots_evicted", "programs_compiled", "host_share", "num_steps", "preemptions",
-               "kv_bytes_per_token", "kv_bytes_per_token_expanded")
+               "kv_bytes_per_token", "kv_bytes_per_token_expanded", "spec_verify_steps",
+               "spec_draft_tokens", "spec_accepted_tokens", "spec_accept_rate",
+               "spec_tokens_per_verify")
 
 
 def _engine_stats(metrics: dict[str, Any]) -> dict[str, Any]:

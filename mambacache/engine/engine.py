@@ -63,7 +63,14 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
     from models.presets import get_preset
 
     model_cfg = get_preset(cfg.model.preset)
-    return model_cfg, init_params(model_cfg, seed=cfg.model.seed, dtype=dtype)
+    params = init_params(model_cfg, seed=cfg.model.seed, dtype=dtype)
+    scale = cfg.model.init_branch_scale
+    if scale != 1.0:  # every matrix inside the layers (norms, A_log, dt_bias are 1-D)
+        import jax
+
+        params = {**params, "layers": jax.tree_util.tree_map(
+            lambda w: w * scale if w.ndim >= 2 else w, params["layers"])}
+    return model_cfg, params
 
 
 class Engine:
