@@ -109,3 +109,14 @@ def test_inconsistent_sizes_are_value_errors():
     hf = {**hf_config("nemotron_h"), "n_groups": 3}
     with pytest.raises(ValueError, match=r"Mamba2 heads \(8\) must be a multiple of n_groups \(3"):
         ModelConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "granitemoehybrid"])
+def test_hf_to_orbax_round_trip(tmp_path, name):
+    from mambacache.parallel.checkpoint import convert_hf_to_orbax, restore_params
+
+    cfg = convert_hf_to_orbax(FIXTURES / name, tmp_path / "orbax")
+    cfg2, params = restore_params(tmp_path / "orbax")
+    ref_cfg, ref = load_checkpoint(FIXTURES / name)
+    assert cfg == cfg2 == ref_cfg  # time_step_limit's inf and the multipliers survive
+    assert_same_params(params, ref)
