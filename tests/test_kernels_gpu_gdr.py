@@ -24,6 +24,12 @@ from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
 INTERPRET = interpret_default()
 TOL = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)}
+# Compiled on a GPU the prefill's products outside the inverse run on tf32 / bf16 tensor cores
+# (``ggdr.DOT_PRECISION``): ~2^-11 relative per operand, so fp32 outputs and states are held to
+# 5e-3 there; interpreted (CPU) they are exact fp32 and held to 1e-4.
+STATE_TOL = 1e-4 if INTERPRET else 5e-3
+if not INTERPRET:
+    TOL["float32"] = (5e-3, 5e-3)
 NAMES = ("q", "k", "v", "g", "beta", "ssm_pool")
 
 # (lens, T, B, Hk, Hv, Dk, Dv, chunk, snapshots (seq, offset)). Offsets cover 0, 1, chunk-2,
@@ -68,7 +74,8 @@ def _assert_close(o, pool, o_ref, pool_ref, dtype):
     assert o.dtype == jnp.dtype(dtype) and o.shape == o_ref.shape
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),
                                atol=atol, rtol=rtol)
-    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool_ref), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool_ref), atol=STATE_TOL,
+                               rtol=STATE_TOL)
     assert not np.any(np.asarray(pool)[0])
 
 
@@ -159,14 +166,15 @@ def _sd(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _export_cuda(fn, pool_operand: int, *args):
-    """Lower for CUDA; the Triton call must alias its pool operand to output 1 (in place)."""
+def _export_cuda(fn, pool_operand: int, *args, pool_output: int = 1):
+    """Lower for CUDA; a Triton call must alias its pool operand to output ``pool_output``."""
     exported = jax.export.export(
         jax.jit(fn), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
     module = exported.mlir_module()
     assert TRITON in module
-    assert f"output_tuple_indices = [1], operand_index = {pool_operand}," in module
+    assert (f"output_tuple_indices = [{pool_output}], operand_index = {pool_operand},"
+            in module)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -175,8 +183,9 @@ def test_gpu_gdr_extend_lowers_for_cuda(dtype, hk, hv, dk, dv, chunk):
     slots = (_sd((B + 1,), I32), _sd((B,), I32), _sd((B,), I32), _sd((S,), I32),
              _sd((S,), I32), _sd((S,), I32))
     f = functools.partial(ggdr.gated_delta_rule_extend, chunk_size=chunk, interpret=False)
-    _export_cuda(f, 11, _sd((T, hk, dk), dtype), _sd((T, hk, dk), dtype), _sd((T, hv, dv), dtype),
-                 _sd((T, hv)), _sd((T, hv)), _sd((N, hv, dk, dv)), *slots)
+    # the state kernel (of three launches) takes the pool as operand 10, returns it as output 2
+    _export_cuda(f, 10, _sd((T, hk, dk), dtype), _sd((T, hk, dk), dtype), _sd((T, hv, dv), dtype),
+                 _sd((T, hv)), _sd((T, hv)), _sd((N, hv, dk, dv)), *slots, pool_output=2)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -85,7 +85,7 @@ def compile_kernel(name: str, ttir: str, num_warps: int, num_stages: int) -> dic
         spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass)),
         hgmma=len(re.findall(r"\bHGMMA\.", sass)),
         hmma=len(re.findall(r"\bHMMA\.", sass)),
-        sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M)),
+        sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
     )
 
 

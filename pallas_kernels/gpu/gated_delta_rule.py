@@ -1,12 +1,22 @@
-"""Pallas Triton (GPU) kernel: chunked gated delta rule over ragged sequences, with snapshots.
+"""Pallas Triton (GPU) chunked gated delta rule over ragged sequences, with snapshots.
 
-Grid ``(B, Hv, Dv / BV)``: one program per (sequence, value head, value tile). It loads the
-initial state tile ``[Dk, BV]`` of ``read_slot[b]`` from the pool, then walks the sequence's
-chunks of ``BT`` tokens in a ``fori_loop`` (chunking restarts at the sequence start), carrying
-the state in registers. Per chunk it applies the WY / UT form of ``docs/kernels.md`` in fp32
-(``(I + L)^-1`` by blocked forward substitution with 16-row diagonal blocks) and writes the
-states the targets table asks for (finals and snapshots, ``S_r`` at any row r) into the pool in
-place (slot 0 skipped). Dk, Dv need not be powers of two: loads and stores are masked.
+fla-style split of the WY / UT form of ``docs/kernels.md`` into three launches, so that only the
+two-matmul state recurrence is sequential:
+
+1. ``_wu_kernel``, grid ``(NC, Hv)`` (parallel): per chunk of ``BT`` tokens (chunks never span
+   two sequences), ``A = (I + L)^-1`` (``L = beta exp(G_i - G_j) k_i.k_j``, blocked inverse in
+   IEEE fp32), ``W = A (beta exp(G) k)`` and ``U = A (beta v)``.
+2. ``_state_kernel``, grid ``(B, Hv, Dv / BV)``: walks a sequence's chunks carrying the state
+   tile ``S [Dk, BV]``: ``V' = U - W S`` (the corrected values), records ``S`` at every chunk
+   start, writes the states the targets table asks for (finals and snapshots at any row r:
+   ``S_r = exp(G_r) S + k^T (exp(G_r - G) V')[:r]``) into the pool in place, and moves on
+   with ``S_BT``.
+3. ``_output_kernel``, grid ``(NC, Hv, Dv / BV)`` (parallel):
+   ``o = exp(G) q S + (exp(G_i - G_j) q_i.k_j)_{j<=i} V'``.
+
+Dots outside the inverse use ``DOT_PRECISION`` (DEFAULT: tf32 tensor cores for fp32 operands on
+a GPU, exact fp32 in interpret mode); the inverse and ``L`` stay IEEE fp32 (``_HIGHEST``), where
+cancellation is. Dk, Dv need not be powers of two: loads and stores are masked.
 """
 
 from __future__ import annotations
@@ -29,9 +39,11 @@ from pallas_kernels.reference.gated_delta_rule import check_gdr
 
 _F32 = jnp.float32
 _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # IEEE fp32 dots, no TF32
+DOT_PRECISION = None  # the parallel/state products: tf32 (fp32 in) or bf16 tensor cores on GPU
 SUB = 16        # diagonal block of the blocked inverse (Triton's minimum dot size)
-BLOCK_V = 64    # value-dim tile of the state held by one program
-NUM_WARPS = 8   # untuned guess: the [Dk, BV] state + [BT, Dk] q, k stay live across the loop
+BLOCK_V = 64    # value-dim tile of the state kernel and the output kernel
+NUM_WARPS = 8
+WU_WARPS = 8    # the inverse's IEEE fp32 dots need the registers of 8 warps
 NUM_STAGES = 1
 
 
@@ -40,10 +52,14 @@ def pow2_at_least_16(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False):
+def _dot(a, b, *, trans_a=False, trans_b=False, precision=_HIGHEST):
     dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=_HIGHEST,
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
                                preferred_element_type=_F32)
+
+
+def _fast(a, b, **kw):
+    return _dot(a, b, precision=DOT_PRECISION, **kw)
 
 
 def _unit_lower_inverse(lower):
@@ -69,62 +85,92 @@ def _unit_lower_inverse(lower):
         lambda r, x: jnp.where(row_blk == r, inv_d - _dot(inv_d, _dot(off, x)), x), inv_d)
 
 
-def _gdr_extend_kernel(cu_ref,      # [B+1] i32 packed sequence starts
-                       read_ref,    # [B] i32 initial-state slot
-                       coff_ref,    # [B+1] i32 first chunk of each sequence (targets CSR row)
-                       tstart_ref,  # [NC+1] i32 targets CSR offsets per chunk
-                       trow_ref,    # [J] i32 state after this many chunk rows (0..BT)
-                       tslot_ref,   # [J] i32 destination slot (0 = dropped)
-                       q_ref,       # [T, Hk, Dk] raw q
-                       k_ref,       # [T, Hk, Dk] raw k
-                       v_ref,       # [T, Hv, Dv]
-                       g_ref,       # [T, Hv] f32 log-decay
-                       beta_ref,    # [T, Hv] f32
-                       pool_ref,    # [N, Hv, Dk, Dv] f32 initial states (alias of pool_out)
-                       o_ref,       # [T, Hv, Dv] output (padding tokens left unwritten)
-                       pool_out,    # [N, Hv, Dk, Dv] f32 finals and snapshots
-                       *, chunk_size: int, head_k_dim: int, block_k: int, block_v: int,
-                       group: int):
-    b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bt = chunk_size
-    hk = jax.lax.div(h, group)
-    start, end = cu_ref[b], cu_ref[b + 1]
-    v0 = vt * block_v
-    kmask = jnp.arange(block_k) < head_k_dim
-    vmask = (v0 + jnp.arange(block_v)) < o_ref.shape[2]
-    smask = kmask[:, None] & vmask[None, :]
-    kidx, vidx = pl.ds(0, block_k), pl.ds(v0, block_v)
-    state0 = pltr.load(pool_ref.at[read_ref[b], h, kidx, vidx], mask=smask, other=0.0)
+def _load_chunk_qkg(q_ref, k_ref, g_ref, tok0, count, hk, h, *, bt, block_k, head_k_dim):
+    """L2-normalised q (times ``Dk**-0.5``), k ``[BT, block_k]`` f32, in-chunk cumulative
+    log-decay ``G [BT]`` and the row mask ``[BT]`` of one chunk (rows >= count are zero)."""
     lane = jnp.arange(bt)
+    rmask = lane < count
+    kmask = jnp.arange(block_k) < head_k_dim
+    tidx, kidx = pl.ds(tok0, bt), pl.ds(0, block_k)
+    qk_mask = rmask[:, None] & kmask[None, :]
+    q = pltr.load(q_ref.at[tidx, hk, kidx], mask=qk_mask, other=0.0).astype(_F32)
+    k = pltr.load(k_ref.at[tidx, hk, kidx], mask=qk_mask, other=0.0).astype(_F32)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6) * head_k_dim ** -0.5
+    k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
+    g = pltr.load(g_ref.at[tidx, h], mask=rmask, other=0.0)
+    return q, k, jnp.cumsum(g), rmask
+
+
+def _wu_kernel(cstart_ref,  # [NC] i32 first token of each chunk
+               clen_ref,    # [NC] i32 tokens in each chunk (0 for unused chunks)
+               q_ref,       # [T, Hk, Dk] raw q (unused here: shared loader)
+               k_ref,       # [T, Hk, Dk] raw k
+               v_ref,       # [T, Hv, Dv]
+               g_ref,       # [T, Hv] f32 log-decay
+               beta_ref,    # [T, Hv] f32
+               w_ref,       # [T, Hv, Dk] f32 out: W = A (beta exp(G) k)
+               u_ref,       # [T, Hv, Dv] f32 out: U = A (beta v)
+               *, bt: int, head_k_dim: int, block_k: int, block_dv: int, group: int):
+    c, h = pl.program_id(0), pl.program_id(1)
+    tok0, count = cstart_ref[c], clen_ref[c]
+    _, k, gcum, rmask = _load_chunk_qkg(q_ref, k_ref, g_ref, tok0, count, jax.lax.div(h, group),
+                                        h, bt=bt, block_k=block_k, head_k_dim=head_k_dim)
+    tidx = pl.ds(tok0, bt)
+    vmask = jnp.arange(block_dv) < v_ref.shape[2]
+    v = pltr.load(v_ref.at[tidx, h, pl.ds(0, block_dv)], mask=rmask[:, None] & vmask[None, :],
+                  other=0.0).astype(_F32)
+    beta = pltr.load(beta_ref.at[tidx, h], mask=rmask, other=0.0)[:, None]
     rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    decay = jnp.exp(jnp.where(rows > cols, gcum[:, None] - gcum[None, :], -jnp.inf))
+    inv = _unit_lower_inverse(beta * decay * _dot(k, k, trans_b=True))
+    kmask = jnp.arange(block_k) < head_k_dim
+    pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)],
+               _fast(inv, beta * jnp.exp(gcum)[:, None] * k), mask=rmask[:, None] & kmask[None, :])
+    pltr.store(u_ref.at[tidx, h, pl.ds(0, block_dv)], _fast(inv, beta * v),
+               mask=rmask[:, None] & vmask[None, :])
+
+
+def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
+                  read_ref,    # [B] i32 initial-state slot
+                  coff_ref,    # [B+1] i32 first chunk of each sequence
+                  tstart_ref,  # [NC+1] i32 targets CSR offsets per chunk
+                  trow_ref,    # [J] i32 state after this many chunk rows (0..BT)
+                  tslot_ref,   # [J] i32 destination slot (0 = dropped)
+                  k_ref,       # [T, Hk, Dk] raw k
+                  g_ref,       # [T, Hv] f32 log-decay
+                  w_ref,       # [T, Hv, Dk] f32
+                  u_ref,       # [T, Hv, Dv] f32
+                  pool_ref,    # [N, Hv, Dk, Dv] f32 initial states (alias of pool_out)
+                  vnew_ref,    # [T, Hv, Dv] f32 out: V' = U - W S
+                  hs_ref,      # [NC, Hv, Dk, Dv] f32 out: state at each chunk start
+                  pool_out,    # [N, Hv, Dk, Dv] f32 finals and snapshots
+                  *, bt: int, head_k_dim: int, block_k: int, block_v: int, group: int):
+    b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = cu_ref[b], cu_ref[b + 1]
+    kmask = jnp.arange(block_k) < head_k_dim
+    vmask = (vt * block_v + jnp.arange(block_v)) < u_ref.shape[2]
+    smask = kmask[:, None] & vmask[None, :]
+    kidx, vidx = pl.ds(0, block_k), pl.ds(vt * block_v, block_v)
+    state0 = pltr.load(pool_ref.at[read_ref[b], h, kidx, vidx], mask=smask, other=0.0)
+    lane = jnp.arange(bt)
 
     def chunk(c, s0):  # s0 [block_k, block_v] f32: state at the chunk start
         tok0 = start + c * bt
-        rmask = (tok0 + lane) < end
-        tidx = pl.ds(tok0, bt)
-        qk_mask = rmask[:, None] & kmask[None, :]
-        q = pltr.load(q_ref.at[tidx, hk, kidx], mask=qk_mask, other=0.0).astype(_F32)
-        k = pltr.load(k_ref.at[tidx, hk, kidx], mask=qk_mask, other=0.0).astype(_F32)
-        v = pltr.load(v_ref.at[tidx, h, vidx], mask=rmask[:, None] & vmask[None, :],
-                    other=0.0).astype(_F32)
-        g = pltr.load(g_ref.at[tidx, h], mask=rmask, other=0.0)
-        beta = pltr.load(beta_ref.at[tidx, h], mask=rmask, other=0.0)
-        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6) * head_k_dim ** -0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
-        gcum = jnp.cumsum(g)                                           # [BT] G_i
-        decay = jnp.exp(jnp.where(rows >= cols, gcum[:, None] - gcum[None, :], -jnp.inf))
-        lower = jnp.where(rows > cols, beta[:, None] * decay * _dot(k, k, trans_b=True), 0.0)
-        eg = jnp.exp(gcum)[:, None]
-        u = _dot(_unit_lower_inverse(lower), beta[:, None] * (v - eg * _dot(k, s0)))
-        o = eg * _dot(q, s0) + _dot(decay * _dot(q, k, trans_b=True), u)
-        pltr.store(o_ref.at[tidx, h, vidx], o.astype(o_ref.dtype),
-                 mask=rmask[:, None] & vmask[None, :])
+        _, k, gcum, rmask = _load_chunk_qkg(k_ref, k_ref, g_ref, tok0, end - tok0,
+                                            jax.lax.div(h, group), h, bt=bt, block_k=block_k,
+                                            head_k_dim=head_k_dim)
+        tidx, cid = pl.ds(tok0, bt), coff_ref[b] + c
+        w = pltr.load(w_ref.at[tidx, h, kidx], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        tile = rmask[:, None] & vmask[None, :]
+        vnew = pltr.load(u_ref.at[tidx, h, vidx], mask=tile, other=0.0) - _fast(w, s0)
+        pltr.store(vnew_ref.at[tidx, h, vidx], vnew, mask=tile)
+        pltr.store(hs_ref.at[cid, h, kidx, vidx], s0, mask=smask)
 
         def state_after(r):  # state after the first r rows of the chunk (0..BT)
             g_r = jnp.sum(jnp.where(lane == r - 1, gcum, 0.0))
-            w = jnp.where(lane < r, jnp.exp(g_r - gcum), 0.0)
-            return jnp.exp(g_r) * s0 + _dot(k, w[:, None] * u, trans_a=True)
+            wr = jnp.where(lane < r, jnp.exp(g_r - gcum), 0.0)
+            return jnp.exp(g_r) * s0 + _fast(k, wr[:, None] * vnew, trans_a=True)
 
         def write_target(j, carry):
             slot = tslot_ref[j]
@@ -132,32 +178,79 @@ def _gdr_extend_kernel(cu_ref,      # [B+1] i32 packed sequence starts
             @pl.when(slot > 0)
             def _write():
                 pltr.store(pool_out.at[slot, h, kidx, vidx], state_after(trow_ref[j]),
-                         mask=smask)
+                           mask=smask)
 
             return carry
 
-        cid = coff_ref[b] + c
         jax.lax.fori_loop(tstart_ref[cid], tstart_ref[cid + 1], write_target, 0)
         return state_after(bt)
 
     jax.lax.fori_loop(0, jax.lax.div(end - start + bt - 1, bt), chunk, state0)
 
 
-def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v, g, beta,
+def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
+                   clen_ref,    # [NC] i32 tokens in each chunk
+                   q_ref,       # [T, Hk, Dk] raw q
+                   k_ref,       # [T, Hk, Dk] raw k
+                   g_ref,       # [T, Hv] f32 log-decay
+                   vnew_ref,    # [T, Hv, Dv] f32 corrected values
+                   hs_ref,      # [NC, Hv, Dk, Dv] f32 state at each chunk start
+                   o_ref,       # [T, Hv, Dv] out (padding tokens left unwritten)
+                   *, bt: int, head_k_dim: int, block_k: int, block_v: int, group: int):
+    c, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tok0, count = cstart_ref[c], clen_ref[c]
+    q, k, gcum, rmask = _load_chunk_qkg(q_ref, k_ref, g_ref, tok0, count, jax.lax.div(h, group),
+                                        h, bt=bt, block_k=block_k, head_k_dim=head_k_dim)
+    kmask = jnp.arange(block_k) < head_k_dim
+    vmask = (vt * block_v + jnp.arange(block_v)) < o_ref.shape[2]
+    tidx, vidx = pl.ds(tok0, bt), pl.ds(vt * block_v, block_v)
+    s0 = pltr.load(hs_ref.at[c, h, pl.ds(0, block_k), vidx],
+                   mask=kmask[:, None] & vmask[None, :], other=0.0)
+    tile = rmask[:, None] & vmask[None, :]
+    vnew = pltr.load(vnew_ref.at[tidx, h, vidx], mask=tile, other=0.0)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    decay = jnp.exp(jnp.where(rows >= cols, gcum[:, None] - gcum[None, :], -jnp.inf))
+    o = jnp.exp(gcum)[:, None] * _fast(q, s0) + _fast(decay * _fast(q, k, trans_b=True), vnew)
+    pltr.store(o_ref.at[tidx, h, vidx], o.astype(o_ref.dtype), mask=tile)
+
+
+def _extend_call(cu_seqlens, read_slot, chunk_off, cseq, tstart, trow, tslot, q, k, v, g, beta,
                  ssm_pool, *, chunk_size: int, interpret: bool):
     num_tokens, num_heads, dv = v.shape
     dk = q.shape[-1]
-    block_v = min(BLOCK_V, pow2_at_least_16(dv))
-    kernel = functools.partial(
-        _gdr_extend_kernel, chunk_size=chunk_size, head_k_dim=dk,
-        block_k=pow2_at_least_16(dk), block_v=block_v, group=num_heads // q.shape[1])
-    return pl.pallas_call(
-        kernel, grid=(read_slot.shape[0], num_heads, pl.cdiv(dv, block_v)),
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_heads, dv), v.dtype),
-                   jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
-        input_output_aliases={11: 1}, interpret=interpret,
-        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-    )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v, g, beta, ssm_pool)
+    num_chunks = cseq.shape[0]
+    block_dv = pow2_at_least_16(dv)
+    block_v = min(BLOCK_V, block_dv)
+    common = dict(bt=chunk_size, head_k_dim=dk, block_k=pow2_at_least_16(dk),
+                  group=num_heads // q.shape[1])
+    params = pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    inner = (jnp.arange(num_chunks, dtype=jnp.int32) - chunk_off[cseq]) * chunk_size
+    cstart = cu_seqlens[cseq] + inner
+    clen = jnp.where(jnp.arange(num_chunks) < chunk_off[-1],
+                     jnp.clip(lens[cseq] - inner, 0, chunk_size), 0).astype(jnp.int32)
+    sds = jax.ShapeDtypeStruct
+    w, u = pl.pallas_call(
+        functools.partial(_wu_kernel, block_dv=block_dv, **common),
+        grid=(num_chunks, num_heads), interpret=interpret,
+        compiler_params=pltr.CompilerParams(num_warps=WU_WARPS, num_stages=NUM_STAGES),
+        out_shape=[sds((num_tokens, num_heads, dk), _F32), sds((num_tokens, num_heads, dv), _F32)],
+    )(cstart, clen, q, k, v, g, beta)
+    vnew, hs, ssm_pool = pl.pallas_call(
+        functools.partial(_state_kernel, block_v=block_v, **common),
+        grid=(read_slot.shape[0], num_heads, pl.cdiv(dv, block_v)), interpret=interpret,
+        out_shape=[sds((num_tokens, num_heads, dv), _F32),
+                   sds((num_chunks, num_heads, dk, dv), _F32),
+                   sds(ssm_pool.shape, ssm_pool.dtype)],
+        input_output_aliases={10: 2}, compiler_params=params,
+    )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, k, g, w, u, ssm_pool)
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, block_v=block_v, **common),
+        grid=(num_chunks, num_heads, pl.cdiv(dv, block_v)), interpret=interpret,
+        out_shape=sds((num_tokens, num_heads, dv), v.dtype), compiler_params=params,
+    )(cstart, clen, q, k, g, vnew, hs)
+    return o, ssm_pool
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
@@ -177,13 +270,13 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     num_tokens = v.shape[0]
     num_seqs = read_slot.shape[0]
     num_chunks = max_chunks(num_tokens, chunk_size, num_seqs)
-    _, _, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
+    _, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
     ssm_pool, tstart, trow, tslot = extend_targets(
         ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
         chunk_off, chunk_size, num_chunks)
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     o, ssm_pool = _extend_call(
-        i32(cu_seqlens), i32(read_slot), chunk_off, tstart, trow, tslot, q, k, v,
+        i32(cu_seqlens), i32(read_slot), chunk_off, cseq, tstart, trow, tslot, q, k, v,
         g.astype(_F32), beta.astype(_F32), ssm_pool, chunk_size=chunk_size, interpret=interpret)
     _, valid = token_seq_ids(cu_seqlens, num_tokens)
     return jnp.where(valid[:, None, None], o, 0).astype(v.dtype), ssm_pool
