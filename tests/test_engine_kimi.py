@@ -89,3 +89,18 @@ def test_cache_save_restore_and_orbax_round_trip(tmp_path):
     assert cfg == cfg2 == ref_cfg and cfg.family == "kimi_linear"
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_small_latent_pool_preempts_and_stays_exact():
+    """A 120-token latent pool for 6 x (20 + 30) tokens: the newest requests are preempted
+    (their progress cached) and everything still equals the cache-off run."""
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 512, 20).tolist() for _ in range(6)]
+    params = mc.SamplingParams(max_new_tokens=30)
+    engine = kimi_engine(**{"cache.num_kv_tokens": 120,
+                            "scheduler.check_integrity_every_step": True})
+    outs = engine.generate(prompts, params)
+    assert engine.metrics()["preemptions"] > 0
+    reference = kimi_engine(**{"cache.enable": False}).generate(prompts, params)
+    assert_same_outputs(outs, reference)
+    engine.check_integrity()
