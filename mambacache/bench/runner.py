@@ -153,7 +153,8 @@ ENGINE_KEYS = ("hit_rate", "prompt_tokens", "cached_tokens", "computed_prefill_t
                "snapshots_evicted", "programs_compiled", "host_share", "num_steps", "preemptions",
                "kv_bytes_per_token", "kv_bytes_per_token_expanded", "spec_verify_steps",
                "spec_draft_tokens", "spec_accepted_tokens", "spec_accept_rate",
-               "spec_tokens_per_verify")
+               "spec_tokens_per_verify", "device_idle_share",
+               "host_bound_share")
 
 
 def _engine_stats(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -56,17 +56,17 @@ def overlap_step(engine: Any) -> list[RequestOutput]:
         launched, failed = _dispatch(engine, scheduled)
         outs += failed
     prev, engine.in_flight = engine.in_flight, launched
-    t_wait = time.perf_counter()
+    wait_s = 0.0
     if prev is not None:
-        outs += _read(engine, prev)
-    t_read = time.perf_counter()
+        read, wait_s = _read(engine, prev)
+        outs += read
     if launched is not None and engine.in_flight is launched:
         _mark_pending(launched)
     if engine.in_flight is not None and not engine.has_unfinished():
         _drop(engine)  # only dropped rows are left in flight
     now = time.perf_counter()
-    engine.stats.on_step(engine, scheduled, host_s=now - t_start - (t_read - t_wait),
-                         wall_s=now - t_start, t_start=t_start)
+    engine.stats.on_step(engine, scheduled, host_s=now - t_start - wait_s, wall_s=now - t_start,
+                         t_start=t_start)
     if engine.cfg.scheduler.check_integrity_every_step:
         engine.check_integrity()
     return outs
@@ -91,15 +91,17 @@ def _dispatch(engine: Any, scheduled: list[ScheduledSeq]) -> tuple[InFlight | No
     return InFlight(scheduled, rows, tokens, logprobs), []
 
 
-def _read(engine: Any, fl: InFlight) -> list[RequestOutput]:
-    """Wait for ``fl``'s tokens; append them to the requests still waiting for them."""
+def _read(engine: Any, fl: InFlight) -> tuple[list[RequestOutput], float]:
+    """Wait for ``fl``'s tokens; append them to the requests still waiting for them. The
+    finished requests' outputs and the seconds spent waiting for the device."""
+    t_wait = time.perf_counter()
     try:
         tokens, logprobs = np.asarray(fl.tokens), np.asarray(fl.logprobs)
     except AssertionError:
         raise
     except Exception as err:  # noqa: BLE001 - the device state behind the steps is unknown
         engine.stats.on_flight(time.perf_counter(), -1)
-        return _fail_all(engine, err)
+        return _fail_all(engine, err), time.perf_counter() - t_wait
     now = time.perf_counter()
     engine.stats.on_flight(now, -1)
     outs = []
@@ -111,7 +113,7 @@ def _read(engine: Any, fl: InFlight) -> list[RequestOutput]:
         out = engine._append(req, int(tokens[i]), float(logprobs[i]), now)
         if out is not None:
             outs.append(out)
-    return outs
+    return outs, now - t_wait
 
 
 def _mark_pending(fl: InFlight) -> None:

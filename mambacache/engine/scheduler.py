@@ -161,7 +161,9 @@ class Scheduler:
                 break
             if req.status is Status.RUNNING:
                 budget = self._add_chunk(req, budget)
-        max_running = self.cfg.scheduler.max_running_requests
+        # [overlap] a request whose last token is in flight takes no row: it does not count
+        max_running = self.cfg.scheduler.max_running_requests + sum(
+            r.num_outputs >= r.params.max_new_tokens for r in self.running)
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
             req = self.waiting.popleft()
