@@ -31,6 +31,12 @@ def _l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
+def _column(row, diagonal):
+    """``[1, BT]`` -> ``[BT, 1]`` exactly (a select on the diagonal and a lane sum): the inputs
+    stay lane-dense in HBM instead of 128x-padded ``[BT, 1]`` columns."""
+    return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
+
+
 def _unit_lower_inverse(lower):
     """``(I + L)^-1`` for strictly lower ``L [BT, BT]`` by doubling: with ``P = -L`` (nilpotent,
     ``P^BT = 0``), ``(I + L)^-1 = sum_j P^j = (I + P)(I + P^2)(I + P^4)...``: ``2 log2(BT) - 2``
@@ -50,9 +56,8 @@ def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
                       q_ref,      # [BT, Dk] raw q of this chunk (key head h // G)
                       k_ref,      # [BT, Dk] raw k
                       v_ref,      # [BT, Dv]
-                      gcol_ref,   # [BT, 1] f32 in-chunk cumulative log-decay
-                      grow_ref,   # [1, BT] f32 the same as a row
-                      beta_ref,   # [BT, 1] f32
+                      g_ref,      # [NC, BT] f32 in-chunk cumulative log-decay, all chunks
+                      beta_ref,   # [NC, BT] f32 (lane-dense rows; this chunk's is row c)
                       pool_ref,   # [N, Hv, Dk, Dv] f32 HBM: initial states (alias of pool_out)
                       o_ref,      # [BT, Dv] output
                       pool_out,   # [N, Hv, Dk, Dv] f32 HBM: final states, snapshots
@@ -68,9 +73,11 @@ def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
     q = _l2norm(q_ref[...].astype(_F32)) * (dk ** -0.5)
     k = _l2norm(k_ref[...].astype(_F32))
     v = v_ref[...].astype(_F32)
-    gc, gr, beta = gcol_ref[...], grow_ref[...], beta_ref[...]
     rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    gr, beta_r = g_ref[pl.ds(c, 1), :], beta_ref[pl.ds(c, 1), :]          # [1, BT] rows
+    gc = _column(gr, rows == cols)                                       # [BT, 1] columns
+    beta = _column(beta_r, rows == cols)
     decay = jnp.exp(jnp.where(rows >= cols, gc - gr, -jnp.inf))          # exp(G_i - G_j), j<=i
     s0 = state_ref[...]
     qk = jnp.concatenate([q, k], axis=0)                                 # [2 BT, Dk]: one MXU
@@ -105,10 +112,11 @@ def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
-def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcol, grow, beta, ssm_pool, *,
+def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_pool, *,
                    interpret: bool = False):
     """Run the kernel on chunked inputs. q, k ``[Hk, NC, BT, Dk]``; v ``[Hv, NC, BT, Dv]``;
-    gcol, beta ``[Hv, NC, BT, 1]``; grow ``[Hv, NC, 1, BT]``; per-chunk ``first, read [NC]``;
+    gcum, beta ``[Hv, NC, BT]`` f32 (one head's table stays in VMEM across its chunks);
+    per-chunk ``first, read [NC]``;
     targets CSR ``tstart [NC+1]``, ``trow, tslot [J]``. Returns ``(o [Hv, NC, BT, Dv], pool)``."""
     num_heads, num_chunks, bt, dv = v.shape
     dk = q.shape[-1]
@@ -120,19 +128,20 @@ def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcol, grow, beta, 
             return pl.BlockSpec((sq, sq) + last2, lambda h, c, *_: (jax.lax.div(h, group), c, 0, 0))
         return pl.BlockSpec((sq, sq) + last2, lambda h, c, *_: (h, c, 0, 0))
 
+    table = pl.BlockSpec((sq, num_chunks, bt), lambda h, c, *_: (h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5, grid=(num_heads, num_chunks),
-        in_specs=[blk((bt, dk), True), blk((bt, dk), True), blk((bt, dv)), blk((bt, 1)),
-                  blk((1, bt)), blk((bt, 1)), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[blk((bt, dk), True), blk((bt, dk), True), blk((bt, dv)), table, table,
+                  pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[blk((bt, dv)), pl.BlockSpec(memory_space=pl.ANY)],
         scratch_shapes=[pltpu.VMEM((dk, dv), _F32), pltpu.VMEM((dk, dv), _F32)])
     return pl.pallas_call(
         _gdr_chunk_kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((num_heads, num_chunks, bt, dv), v.dtype),
                    jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
-        input_output_aliases={5 + 6: 1}, interpret=interpret,
+        input_output_aliases={5 + 5: 1}, interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-    )(first, read, tstart, trow, tslot, q, k, v, gcol, grow, beta, ssm_pool)
+    )(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_pool)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
@@ -158,8 +167,7 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     gcum = jnp.cumsum(chunked(g.astype(jnp.float32)), axis=-1)           # [Hv, NC, BT]
     o_c, ssm_pool = gdr_chunk_call(
         first, read_slot[cseq], tstart, trow, tslot, chunked(q), chunked(k), chunked(v),
-        gcum[..., None], gcum[:, :, None, :], chunked(beta.astype(jnp.float32))[..., None],
-        ssm_pool, interpret=interpret)
+        gcum, chunked(beta.astype(jnp.float32)), ssm_pool, interpret=interpret)
     seq, valid = token_seq_ids(cu_seqlens, num_tokens)
     local = jnp.arange(num_tokens) - cu_seqlens[seq]
     o = o_c[:, chunk_off[seq] + local // chunk_size, local % chunk_size]   # [Hv, T, Dv]
