@@ -243,14 +243,15 @@ class ChatSource:
 
 @dataclasses.dataclass(frozen=True)
 class TraceArgs:
-    """What ``python -m mambacache.bench.sharegpt`` writes (see ``main``)."""
+    """What ``python -m mambacache.bench.sharegpt`` writes (see ``main``); the defaults are the
+    chat trace of the per-budget table in ``docs/radix_cache.md`` (1711 requests)."""
 
-    conversations: int = 200
+    conversations: int = 400
     min_turns: int = 2
     max_turns: int = 0
     max_context: int = 8192
-    sessions_per_s: float = 1.0
-    think_time_s: float = 30.0
+    sessions_per_s: float = 0.1
+    think_time_s: float = 10.0
     tokenizer: str = "qwen3.5"
     seed: int = 0
 
