@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.layers import F32, sigmoid_gated_rms_norm
+from models.mixers import short_conv
 from pallas_kernels import ops
 
 
@@ -42,16 +43,8 @@ def kimi_delta_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array
     """One KDA layer. x ``[T, H]`` -> (out ``[T, H]``, conv_pool, ssm_pool); ``decode`` = one
     token per sequence (T == B)."""
     t, hl, d = x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    qkv = x @ p["in_proj"]
-    if decode:
-        y, conv_pool = ops.causal_conv1d_decode(
-            qkv, p["conv_w"], None, conv_pool, batch.read_slot, batch.write_slot, impl=impl,
-            mesh=mesh)
-    else:
-        y, conv_pool = ops.causal_conv1d_extend(
-            qkv, p["conv_w"], None, conv_pool, batch.cu_seqlens, batch.read_slot,
-            batch.write_slot, batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl,
-            mesh=mesh)
+    y, conv_pool = short_conv(x @ p["in_proj"], p["conv_w"], None, conv_pool, batch,
+                              decode=decode, impl=impl, mesh=mesh)
     y = y.reshape(t, hl, 3, d)
     q, k, v = y[:, :, 0], y[:, :, 1], y[:, :, 2]
     g, beta = kda_gates(cfg, p, x)

@@ -1,9 +1,10 @@
 """Token mixers: Gated DeltaNet (linear attention) and gated full attention over paged KV.
 
 Both read and write the pools through ``pallas_kernels.ops`` only; ``batch`` is duck-typed
-(``mambacache.engine.batch.ForwardBatch``: packed ragged tokens, see that module). ``mesh`` (static, a
-``jax.sharding.Mesh`` or None) is handed to every kernel op: under tensor parallelism each op runs
-per device on its own heads (``ops``' docstring).
+(``mambacache.engine.batch.ForwardBatch``: packed ragged tokens, see that module). ``mesh``
+(static, a ``jax.sharding.Mesh`` or None) is handed to every kernel op: under tensor parallelism
+each op runs per device on its own heads (``ops``' docstring). ``short_conv`` is the conv step
+of every mixer with a conv pool (Gated DeltaNet here, KDA in ``models/kda.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def _gdn_split(cfg: ModelConfig, y: jax.Array):
     return q, k, v
 
 
+def short_conv(x: jax.Array, weight: jax.Array, bias: jax.Array | None, conv_pool: jax.Array,
+               batch: Any, *, decode: bool, impl: str,
+               mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv + SiLU of x ``[T, C]`` against the conv pool (``ops``' extend with
+    the batch's slots and snapshots, or its decode step). Returns ``(y [T, C], conv_pool)``."""
+    if decode:
+        return ops.causal_conv1d_decode(x, weight, bias, conv_pool, batch.read_slot,
+                                        batch.write_slot, impl=impl, mesh=mesh)
+    return ops.causal_conv1d_extend(x, weight, bias, conv_pool, batch.cu_seqlens,
+                                    batch.read_slot, batch.write_slot, batch.snap_seq,
+                                    batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh)
+
+
 def gated_delta_net(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, conv_pool: jax.Array,
                     ssm_pool: jax.Array, batch: Any, *, decode: bool, impl: str,
                     mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -59,15 +73,8 @@ def gated_delta_net(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, con
     ``decode`` = one token per sequence (T == B), using the single-step ops.
     """
     qkv, z, b, a = _gdn_project(cfg, p, x)
-    if decode:
-        y, conv_pool = ops.causal_conv1d_decode(
-            qkv, p["conv_w"], None, conv_pool, batch.read_slot, batch.write_slot, impl=impl,
-            mesh=mesh)
-    else:
-        y, conv_pool = ops.causal_conv1d_extend(
-            qkv, p["conv_w"], None, conv_pool, batch.cu_seqlens, batch.read_slot,
-            batch.write_slot, batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl,
-            mesh=mesh)
+    y, conv_pool = short_conv(qkv, p["conv_w"], None, conv_pool, batch, decode=decode,
+                              impl=impl, mesh=mesh)
     q, k, v = _gdn_split(cfg, y)
     beta = jax.nn.sigmoid(b).astype(F32)
     g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"])
