@@ -19,9 +19,15 @@ from pallas_kernels.reference.gated_delta_rule import check_gdr_decode
 _F32 = jnp.float32
 
 
+def _columns(rows, diagonal):
+    """``[Hv, Dk]`` rows -> ``[Hv, Dk, 1]`` columns exactly (diagonal select + lane sum), so q, k
+    travel lane-dense instead of as 128x-padded ``[Dk, 1]`` columns."""
+    return jnp.sum(jnp.where(diagonal, rows[:, None, :], 0.0), axis=2, keepdims=True)
+
+
 def _gdr_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
-                       q_ref,      # [Hv, Dk, 1] raw q (GQA-expanded)
-                       k_ref,      # [Hv, Dk, 1] raw k
+                       q_ref,      # [Hv, Dk] raw q (GQA-expanded), lane-dense rows
+                       k_ref,      # [Hv, Dk] raw k
                        v_ref,      # [Hv, 1, Dv]
                        g_ref,      # [Hv, 1, 1] f32 log-decay
                        beta_ref,   # [Hv, 1, 1] f32
@@ -32,8 +38,11 @@ def _gdr_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
     b = pl.program_id(0)
     dk = q_ref.shape[1]
     pltpu.sync_copy(pool_ref.at[read_ref[b]], state_ref)
-    q = q_ref[...].astype(_F32)
-    k = k_ref[...].astype(_F32)
+    hv = q_ref.shape[0]
+    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (hv, dk, dk), 1)
+                == jax.lax.broadcasted_iota(jnp.int32, (hv, dk, dk), 2))
+    q = _columns(q_ref[...].astype(_F32), diagonal)
+    k = _columns(k_ref[...].astype(_F32), diagonal)
     q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6) * (dk ** -0.5)
     k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
     state = jnp.exp(g_ref[...]) * state_ref[...]
@@ -58,14 +67,15 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
     num_seqs, num_heads, dv = v.shape
     hk, dk = check_gdr_decode(q, k, v, g, beta, ssm_pool)
     group = num_heads // hk
-    qe = jnp.repeat(q, group, axis=1)[..., None]
-    ke = jnp.repeat(k, group, axis=1)[..., None]
+    qe = jnp.repeat(q, group, axis=1)
+    ke = jnp.repeat(k, group, axis=1)
     col = lambda a: a.astype(_F32).reshape(num_seqs, num_heads, 1, 1)
     sq = pl.Squeezed()
     spec = lambda *last: pl.BlockSpec((sq, num_heads) + last, lambda b, *_: (b, 0, 0, 0))
+    rows = pl.BlockSpec((sq, num_heads, dk), lambda b, *_: (b, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=(num_seqs,),
-        in_specs=[spec(dk, 1), spec(dk, 1), spec(1, dv), spec(1, 1), spec(1, 1),
+        in_specs=[rows, rows, spec(1, dv), spec(1, 1), spec(1, 1),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[spec(1, dv), pl.BlockSpec(memory_space=pl.ANY)],
         scratch_shapes=[pltpu.VMEM((num_heads, dk, dv), _F32)])
