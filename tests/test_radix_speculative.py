@@ -191,3 +191,14 @@ def test_states_only_at_branch_points_and_ends_when_off(page_size):
     finish(cache, p[:20] + _seq(12, 10), [5], m, slot, snaps)
     assert _states(cache) == {20: False, 30: False, 40: False}
     cache.check_integrity()
+
+
+def test_config_reaches_the_cache():
+    from mambacache.cache.radix import make_cache_from_config
+    from mambacache.config import CacheConfig
+
+    assert CacheConfig().checkpoint_interval == 256 and CacheConfig().speculative_states
+    assert make_cache_from_config(CacheConfig()).speculative_states is True
+    assert make_cache_from_config(CacheConfig(speculative_states=False)).speculative_states is False
+    with pytest.raises(ValueError, match="speculative_states"):
+        CacheConfig(speculative_states="yes")
