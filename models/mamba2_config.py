@@ -74,7 +74,8 @@ def nemotron_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         layer_types=tuple("none" if b in ("mlp", "moe") else _MIXER[b] for b in blocks),
         mlp_types=tuple({"mlp": "dense", "moe": "moe"}.get(b, "none") for b in blocks),
         num_attention_heads=heads, num_key_value_heads=int(hf.get("num_key_value_heads", heads)),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        head_dim=int(hf.get("head_dim") or hf.get("attention_head_dim")  # Nemotron-H-8B's name
+                     or int(hf["hidden_size"]) // heads),
         **_mamba_sizes(linear_num_key_heads=hf.get("n_groups", hf.get("mamba_n_groups", 8)),
                        linear_num_value_heads=hf["mamba_num_heads"],
                        linear_key_head_dim=hf["ssm_state_size"],

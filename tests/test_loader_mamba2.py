@@ -85,6 +85,8 @@ def test_hybrid_override_pattern_and_legacy_names():
     hf["hybrid_override_pattern"] = "M?*"
     with pytest.raises(ValueError, match=r"unknown symbols \['\?'\]"):
         ModelConfig.from_hf_config(hf)
+    older = {k: v for k, v in hf_config("nemotron_h").items() if k != "head_dim"}
+    assert ModelConfig.from_hf_config({**older, "attention_head_dim": 16}).head_dim == 16
     granite = hf_config("granitemoehybrid")
     granite["layer_types"] = ["mamba", "mamba", "attention", "mamba"]  # released spelling
     assert ModelConfig.from_hf_config(granite).num_linear_layers == 3
