@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 
 import mambacache as mc
 from mambacache.engine.engine import Engine, load_model
@@ -54,6 +55,7 @@ def test_identical_prompt_hits_all_but_last_page():
     eng.check_integrity()
 
 
+@pytest.mark.slow  # minutes on a shared 2-core CI box: run with -m slow
 def test_cache_save_restore_and_orbax_round_trip(tmp_path):
     """The latent pages (k_pages only, no v_pages) and the KDA states survive a warm restart;
     HF -> Orbax params round trip for the Kimi Linear fixture."""
@@ -91,6 +93,7 @@ def test_cache_save_restore_and_orbax_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # minutes on a shared 2-core CI box: run with -m slow
 def test_small_latent_pool_preempts_and_stays_exact():
     """A 120-token latent pool for 6 x (20 + 30) tokens: the newest requests are preempted
     (their progress cached) and everything still equals the cache-off run."""

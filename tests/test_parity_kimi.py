@@ -82,7 +82,7 @@ def test_unsupported_fields_raise():
         ModelConfig.from_hf_config({**hf, "num_expert_group": 3})
 
 
-@pytest.mark.parametrize("family", ["tpu", "gpu"])
+@pytest.mark.parametrize("family", ["tpu", pytest.param("gpu", marks=pytest.mark.slow)])
 def test_pallas_kernels_fp32(fp32, family, monkeypatch):
     """The KDA kernels and the MLA op over the paged-attention kernel (interpreted) give the
     same parity: split prefill and 4 greedy decode steps."""
