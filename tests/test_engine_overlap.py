@@ -1,6 +1,6 @@
-"""``scheduler.overlap`` on the real model: a request that stops while its next row is in flight,
-a read that fails, and the step's ``future`` token buffer (cheap cases; the shadow fuzz in
-test_engine_fuzz.py covers the rest both ways)."""
+"""``scheduler.overlap``: on the real model, a request that stops while its next row is in flight
+and a read that fails; on the shadow runner, a request preempted with its last token in flight
+(cheap directed cases; the shadow fuzz in test_engine_fuzz.py covers the rest both ways)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 import mambacache as mc
 from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+from tests.shadow_helpers import greedy, shadow_engine
 
 SYNC_OFF = {"cache.enable": False, "scheduler.overlap": False}
 
@@ -77,3 +78,22 @@ def test_overlap_config_and_idle_share_reported(overlap):
     assert (m["overlap_steps"] > 0) == overlap  # every later step was dispatched before a read
     with pytest.raises(ValueError, match="scheduler.overlap"):
         mc.EngineConfig().replace(**{"scheduler.overlap": "yes"})
+
+
+def test_preempted_with_its_last_token_in_flight_finishes_waiting():
+    """Shadow runner, 9 KV tokens: A (5 + 4) and B (4 + 1) fill the pool with their prefills;
+    A's first decode needs a page while B's only token is still in flight, so B is preempted
+    (its prompt goes to the tree) and finishes in the waiting queue when its token is read."""
+    eng = shadow_engine(**{"cache.num_kv_tokens": 9, "cache.page_size": 1})
+    a, b = [5, 6, 7, 8, 9], [1, 2, 3, 4]
+    ids = {eng.add_request(a, greedy(4)): (a, 4), eng.add_request(b, greedy(1)): (b, 1)}
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert eng.metrics()["preemptions"] == 1
+    for out in outs:
+        prompt, n = ids[out.request_id]
+        assert out.finish_reason == "length"
+        assert out.output_token_ids == eng.runner.expected_output(prompt, n)
+    assert len(outs) == 2 and eng.in_flight is None
+    eng.check_integrity()
