@@ -189,3 +189,56 @@ def test_every_family(preset):
         [o.prompt_token_ids + o.output_token_ids for o in ref], model[0].vocab_size)
     assert_same_outputs(eng.generate(_prompts(), params), ref)
     assert eng.metrics()["spec_accepted_tokens"] > 0
+
+
+_TP_WORKER = """
+import json
+import numpy as np
+import mambacache as mc
+from mambacache.engine.engine import Engine
+from models.params import init_params
+from models.presets import get_preset
+from tests.test_speculative_engine import CheatDrafter
+
+model_cfg = get_preset("tiny_qwen3_next_tp4")
+params = init_params(model_cfg, seed=3)
+base = {"cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 16, "cache.page_size": 1,
+        "scheduler.max_running_requests": 4, "model.kernels": "reference",
+        "speculative.num_draft_tokens": 3}
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, 512, n).tolist() for n in (9, 23)]
+sp = mc.SamplingParams(max_new_tokens=10)
+ref = Engine(mc.EngineConfig().replace(**base), model=(model_cfg, params)).generate(prompts, sp)
+seqs = [o.prompt_token_ids + o.output_token_ids for o in ref]
+result = {"ref": [o.output_token_ids for o in ref]}
+for tp in (1, 2):
+    cfg = mc.EngineConfig().replace(**{**base, "parallel.tensor_parallel": tp,
+                                       "speculative.method": "ngram"})
+    engine = Engine(cfg, model=(model_cfg, params))
+    engine.scheduler.speculative.drafter = CheatDrafter(seqs, 512)
+    outs = engine.generate(prompts, sp)
+    follow = engine.generate([seqs[0] + [7, 8]], mc.SamplingParams(max_new_tokens=3))
+    result[tp] = dict(tokens=[o.output_token_ids for o in outs + follow],
+                      logprobs=[o.output_logprobs for o in outs + follow],
+                      cached=follow[0].cached_tokens,
+                      accepted=engine.metrics()["spec_accepted_tokens"],
+                      ssm_sharding=str(getattr(engine.runner.pools.ssm[0].sharding, "spec", "")))
+    engine.check_integrity()
+print(json.dumps(result))
+"""
+
+
+@SLOW
+def test_tensor_parallel():
+    """TP 2 with verify rows and the end-state copy: the tokens and logprobs of TP 1, the
+    follow-up hits the verified prefix, the pools keep their sharding through ``copy_slots``."""
+    from tests.multidevice import run_worker
+
+    res = run_worker(_TP_WORKER)
+    one, two = res["1"], res["2"]
+    assert one["tokens"][:2] == two["tokens"][:2] == res["ref"]
+    assert one["tokens"] == two["tokens"] and one["accepted"] > 0
+    for a, b in zip(one["logprobs"], two["logprobs"], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
+    assert one["cached"] == two["cached"] == 9 + 10 - 1
+    assert "tp" in two["ssm_sharding"], two["ssm_sharding"]
