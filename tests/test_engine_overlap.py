@@ -97,3 +97,13 @@ def test_preempted_with_its_last_token_in_flight_finishes_waiting():
         assert out.output_token_ids == eng.runner.expected_output(prompt, n)
     assert len(outs) == 2 and eng.in_flight is None
     eng.check_integrity()
+
+
+def test_speculative_decoding_runs_the_synchronous_loop():
+    cfg = {"speculative.method": "ngram", "speculative.num_draft_tokens": 2}
+    assert shadow_engine(**cfg).overlap is False
+    assert shadow_engine().overlap is True
+    eng = shadow_engine(**cfg)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    out = eng.generate([prompt], greedy(6))[0]
+    assert out.output_token_ids == eng.runner.expected_output(prompt, 6)

@@ -91,7 +91,8 @@ class Engine:
         self._ids = itertools.count()
         self.stats = EngineMetrics()
         self.in_flight = None  # [overlap] the dispatched step whose tokens are not read yet
-        self._overlap = cfg.scheduler.overlap and not cfg.speculative.enabled
+        # the step loop: overlapped (engine/overlap.py) unless off or speculative (verify rows)
+        self.overlap = cfg.scheduler.overlap and not cfg.speculative.enabled
         if cfg.scheduler.overlap and cfg.speculative.enabled:
             logging.info("scheduler.overlap with speculative decoding: the synchronous loop runs")
         logging.info("engine ready: %s, %d KV pages of %d tokens, %d state slots, cache %s",
@@ -193,7 +194,7 @@ class Engine:
         """Schedule, run and account one step; returns the requests that finished in it.
         [overlap] Dispatches step N+1, then reads step N (``engine/overlap.py``): the finished
         requests are those whose tokens were read in this call."""
-        if self._overlap:
+        if self.overlap:
             return overlap_step(self)
         t_start = time.perf_counter()
         scheduled = self.scheduler.schedule()
