@@ -140,12 +140,15 @@ class SpeculativeConfig:
     default; changes nothing), ``"ngram"`` (prompt lookup) or ``"mtp"``; ``num_draft_tokens``
     (k) drafts verified per step; ``ngram_min`` / ``ngram_max``: suffix lengths prompt lookup
     tries, longest first. Verify steps write the state after each of the k + 1 positions to
-    scratch slots outside the cache's (``max_running_requests * (k + 1)`` of them)."""
+    scratch slots outside the cache's (``max_running_requests * (k + 1)`` of them).
+    ``adaptive``: a request's next verify proposes at most ``a + 1`` drafts after one that
+    accepted ``a`` (k at most), so drafts that keep missing cost one extra token, not k."""
 
     method: str = "none"
     num_draft_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
+    adaptive: bool = True
 
     def __post_init__(self):
         _require(self.method in SPEC_METHODS,
@@ -156,6 +159,8 @@ class SpeculativeConfig:
                  f"{MAX_DRAFT_TOKENS}")
         _positive("speculative.ngram_min", self.ngram_min)
         _positive("speculative.ngram_max", self.ngram_max)
+        _require(isinstance(self.adaptive, bool),
+                 f"speculative.adaptive must be a bool, got {self.adaptive!r}")
         _require(self.ngram_min <= self.ngram_max,
                  f"speculative.ngram_min ({self.ngram_min}) exceeds speculative.ngram_max "
                  f"({self.ngram_max})")

@@ -86,6 +86,22 @@ def test_followup_hits_verified_prefix(page):
     eng.check_integrity()  # check_tree: every state and KV of the tree is of its own path
 
 
+def test_adaptive_drafts_cut_the_waste_of_misses():
+    """Outputs that never repeat (the default oracle): drafts keep missing. Adaptive drafting
+    proposes one after a miss instead of k; outputs are the same either way."""
+    prompts = _prompts(4)
+    outs, drafted = [], []
+    for adaptive in (False, True):
+        eng = shadow_engine({"vocab_size": VOCAB}, **{"speculative.method": "ngram",
+                                                      "speculative.adaptive": adaptive})
+        outs.append(_outputs(eng, prompts, 30))
+        m = eng.metrics()
+        assert m["spec_verify_steps"] > 0 and m["spec_accept_rate"] < 0.5, m
+        drafted.append(m["spec_draft_tokens"] / m["spec_verify_steps"])
+    assert outs[0] == outs[1]
+    assert drafted[1] < 0.6 * drafted[0], drafted
+
+
 def test_chunk_cuts_and_preemption():
     prompts = _prompts(8, length=37, seed=1)
     kw = {"cache.page_size": 4, "cache.num_kv_tokens": 100, "cache.num_mamba_slots": 5,

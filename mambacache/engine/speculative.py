@@ -51,6 +51,8 @@ class SpecDecoder:
 
     def __init__(self, cfg: EngineConfig):
         self.k = cfg.speculative.num_draft_tokens
+        self.adaptive = cfg.speculative.adaptive
+        self._budget: dict[int, int] = {}  # request id -> drafts its next verify may propose
         self.drafter = make_drafter(cfg.speculative)
         self.page_size = cfg.cache.page_size
         self.boundary_snapshots = cfg.cache.enable and self.page_size > 1
@@ -73,6 +75,7 @@ class SpecDecoder:
     def release(self, req: Any, *, end_snapshot: bool) -> None:
         """``req`` gives back everything (finish, abort, preemption). ``end_snapshot``: its
         running slot becomes the end state in the tree, so a scratch state is copied there."""
+        self._budget.pop(req.request_id, None)
         if not req.scratch_slots:
             return
         if end_snapshot and req.state_slot in req.scratch_slots:
@@ -84,6 +87,7 @@ class SpecDecoder:
         """The pools are gone (a failed step consumed them): every lane is free again."""
         self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
         self.slot_copies.clear()
+        self._budget.clear()
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.slot_copies = self.slot_copies, []
@@ -95,7 +99,8 @@ class SpecDecoder:
         plain decode: no draft, or no room (drafts never preempt: they use pages the request
         can get without it)."""
         remaining = req.params.max_new_tokens - len(req.output_ids)
-        drafts = self.drafter.propose(req.token_ids, min(self.k, remaining - 1))
+        budget = self._budget.get(req.request_id, self.k)
+        drafts = self.drafter.propose(req.token_ids, min(budget, remaining - 1))
         start = req.num_computed
         if drafts and not sched._grow(req, start + 1 + len(drafts)):
             room = len(req.page_ids) * self.page_size - (start + 1)
@@ -146,6 +151,8 @@ class SpecDecoder:
         req.state_slot = s.targets[emitted - 1]
         sched.tokens_computed += emitted
         self._settle_boundaries(sched, req, start, start + m + 1, n)
+        if self.adaptive:
+            self._budget[req.request_id] = min(self.k, accepted + 1)
         self.verify_steps += 1
         self.draft_tokens += m
         self.accepted_tokens += accepted
