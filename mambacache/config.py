@@ -54,6 +54,9 @@ class ModelSection:
         _require(isinstance(self.seed, int), f"model.seed must be an int, got {self.seed!r}")
         _require(isinstance(self.init_branch_scale, int | float) and self.init_branch_scale > 0,
                  f"model.init_branch_scale must be > 0, got {self.init_branch_scale!r}")
+        _require(self.init_branch_scale == 1.0 or self.path in (None, ""),
+                 f"model.init_branch_scale ({self.init_branch_scale}) applies to a random init "
+                 f"only, but model.path is {self.path!r}")
         if self.path == "":
             object.__setattr__(self, "path", None)
 

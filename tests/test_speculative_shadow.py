@@ -56,6 +56,10 @@ def test_config_validation():
                             ("ngram_min", 4, "ngram_min \\(4\\) exceeds")):
         with pytest.raises(ValueError, match=msg):
             cfg.replace(**{f"speculative.{key}": value})
+    with pytest.raises(ValueError, match="init_branch_scale"):
+        cfg.replace(**{"model.init_branch_scale": 0.0})
+    with pytest.raises(ValueError, match="random init only"):
+        cfg.replace(**{"model.init_branch_scale": 0.5, "model.path": "/some/dir"})
 
 
 @pytest.mark.parametrize("page", [1, 4])
