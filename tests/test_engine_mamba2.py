@@ -47,3 +47,19 @@ def test_cache_on_equals_off(preset):
     assert second[0].cached_tokens == (161 - 1) // 4 * 4 == 160
     assert_same_outputs(first + second, off_engine.generate([prompt], greedy) * 2)
     on_engine.check_integrity()
+
+
+@pytest.mark.slow  # two more engines per preset; run with -m slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_page_size_one_and_preemption(preset):
+    """Pages of 1 (a snapshot may land on any token) and a KV pool so small that requests
+    are preempted: cache on still equals cache off."""
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 512, 20).tolist() for _ in range(6)]
+    params = mc.SamplingParams(max_new_tokens=30)
+    eng = engine(preset, **{"cache.page_size": 1, "cache.num_kv_tokens": 120,
+                            "scheduler.check_integrity_every_step": True})
+    outs = eng.generate(prompts, params)
+    assert eng.metrics()["preemptions"] > 0
+    assert_same_outputs(outs, engine(preset, **{"cache.enable": False}).generate(prompts, params))
+    eng.check_integrity()
