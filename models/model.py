@@ -7,7 +7,8 @@ Jittable with the pools donated::
 
 ``pools`` is duck-typed ``mambacache.engine.pools.PoolState`` (tuples ``k_pages``/``v_pages``
 per full layer, ``conv``/``ssm`` per linear layer, in layer order; updated with
-``pools.replace``) and ``batch`` a ``mambacache.engine.batch.ForwardBatch``. This module does not import ``mambacache``.
+``pools.replace``) and ``batch`` a ``mambacache.engine.batch.ForwardBatch``. This module does
+not import ``mambacache``.
 ``mesh`` (static; tensor parallel): the ``jax.sharding.Mesh`` the params and pools are sharded
 over, or None for one device; the kernel ops and the routed experts of the MoE then run per
 device inside ``shard_map``.
