@@ -26,7 +26,7 @@ class EngineMetrics:
     busy_s: float = 0.0  # wall time with a step in flight (dispatched, results not read)
     active_s: float = 0.0  # wall time of steps and of the gaps between them while busy
     overlap_steps: int = 0  # [overlap] steps dispatched while the step before was in flight
-    host_bound_steps: int = 0  # of those, the step before had already finished on the device
+    host_bound_steps: int = 0  # of those, the one before was done when scheduling ended
     _last_end: float | None = None
     _in_flight: int = 0
     _busy_after: bool = False
@@ -56,8 +56,9 @@ class EngineMetrics:
 
     def on_flight(self, t: float, delta: int, *, host_bound: bool | None = None) -> None:
         """[overlap] A step was dispatched (``delta`` +1) or read / dropped (-1) at ``t``:
-        ``busy_s`` grows by the time at least one step was in flight. ``host_bound``: at this
-        dispatch the step before was in flight but already done on the device (None: unknown)."""
+        ``busy_s`` grows by the time at least one step was in flight. ``host_bound``: the step
+        before (in flight) was already done on the device when this one's scheduling ended,
+        before its batch was built (a lower bound on the device waiting; None: unknown)."""
         if self._in_flight > 0:
             self.busy_s += t - self._flight_t
         if host_bound is not None:

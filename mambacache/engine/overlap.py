@@ -77,7 +77,7 @@ def _dispatch(engine: Any, scheduled: list[ScheduledSeq]) -> tuple[InFlight | No
     dispatch raised, (None, the outputs of the requests it failed)."""
     prev = engine.in_flight
     ready = getattr(prev.tokens, "is_ready", None) if prev is not None else None
-    host_bound = ready() if ready is not None else None  # probed before this dispatch
+    host_bound = ready() if ready is not None else None  # before the batch is built
     try:
         tokens, logprobs = engine.runner.run(scheduled)
     except AssertionError:
