@@ -51,6 +51,19 @@ def assert_close(got, want, tol):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("case_idx", [0, 1])
+def test_reference_equals_float64_loop(case_idx):
+    """The token scan against a float64 per-token numpy loop (``gdr_oracle``, per-channel
+    decay) at every final and snapshot target, including offsets 0 and the full length."""
+    from tests.test_ops_reference import gdr_oracle
+    case, x, _ = kda_inputs(case_idx, "float32")
+    o, pool = kda_ref.kda_extend_reference(*args(case, x))
+    o_ref, pool_ref = gdr_oracle(*(np.asarray(a) for a in args(case, x)))
+    n = int(case.cu_seqlens[-1])
+    assert_close(np.asarray(o)[:n], o_ref[:n], 1e-5)
+    assert_close(pool, pool_ref, 1e-5)
+
+
 def test_chunk_form_equals_token_scan():
     """One sequence, strong decays (log-decay down to -48 a token, -1000s in a chunk)."""
     case, x, _ = kda_inputs(1, "float32", decay_scale=40.0)

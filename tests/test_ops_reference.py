@@ -31,7 +31,8 @@ def gdr_oracle(q, k, v, g, beta, pool, cu, read, write, snap_seq, snap_off, snap
             for h in range(hv):
                 qt = _l2n(q[t, h // grp]) * dk ** -0.5
                 kt = _l2n(k[t, h // grp])
-                s[h] *= np.exp(g[t, h])
+                decay = np.exp(g[t, h])  # one per head, or one per key channel (KDA)
+                s[h] *= decay[:, None] if np.ndim(decay) else decay
                 u = beta[t, h] * (v[t, h] - s[h].T @ kt)
                 s[h] += np.outer(kt, u)
                 o[t, h] = s[h].T @ qt
