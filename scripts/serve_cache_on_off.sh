@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Cache on vs off through HTTP (README "Serve"): for each mode, start `python -m mambacache.serve`
-# on the tiny default, run one untimed pass of the workload (compiles its shapes), then REPEATS
-# measured passes with new prompts each (seeds 1..REPEATS), appended to $OUT/cache_{on,off}.jsonl;
-# prints the medians side by side. Extra arguments replace the workload flags below.
+# with $CONFIG (default: the in-process gsp_identical benchmark's engine settings), run one
+# untimed pass of the workload (compiles its shapes), then REPEATS measured passes with new
+# prompts each (seeds 1..REPEATS), appended to $OUT/cache_{on,off}.jsonl; prints the medians side
+# by side. Extra arguments replace the workload flags below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8765}
+CONFIG=${CONFIG:-configs/bench/gsp_identical.toml}
 OUT=${OUT:-/tmp/serve_cache_on_off}
 REPEATS=${REPEATS:-3}
 WORKLOAD=(--dataset-name generated-shared-prefix --gsp-num-groups 4 --gsp-prompts-per-group 32
@@ -15,7 +17,7 @@ mkdir -p "$OUT"
 for mode in on off; do
   enable=true; [ "$mode" = off ] && enable=false
   rm -f "$OUT/cache_$mode.jsonl"
-  python -m mambacache.serve --config configs/tiny_qwen3_next.toml --set cache.enable=$enable \
+  python -m mambacache.serve --config "$CONFIG" --set cache.enable=$enable \
     --port "$PORT" --log-level warning &
   pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT

@@ -28,7 +28,8 @@ def srv():
 
 @pytest.fixture(scope="module")
 def client(srv):
-    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0) as c:
+        yield c
 
 
 def reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -116,9 +116,6 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.abort(stream)  # runs after the add: commands are in order
             raise
-        except BaseException:
-            self._release()
-            raise
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -132,7 +129,11 @@ class EngineLoop:
 
     def _add(self, engine: Any, stream: RequestStream, prompt: Sequence[int],
              params: SamplingParams) -> None:
-        stream.request_id = engine.add_request(prompt, params)
+        try:
+            stream.request_id = engine.add_request(prompt, params)
+        except BaseException:
+            self._release()  # here, not in ``submit``: its caller may be gone
+            raise
         self._live[stream.request_id] = stream
 
     def _abort(self, engine: Any, stream: RequestStream) -> None:
