@@ -8,6 +8,7 @@ from mambacache.config import (
     ModelSection,
     ParallelConfig,
     SchedulerConfig,
+    ServeConfig,
     SpeculativeConfig,
 )
 from mambacache.engine.request import RequestOutput
@@ -25,4 +26,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["CacheConfig", "Engine", "EngineConfig", "ModelSection", "ParallelConfig",
-           "RequestOutput", "SamplingParams", "SchedulerConfig", "SpeculativeConfig"]
+           "RequestOutput", "SamplingParams", "SchedulerConfig", "ServeConfig",
+           "SpeculativeConfig"]
