@@ -1,12 +1,13 @@
 """The non-Mamba blocks of the Mamba2 hybrids: plain GQA attention over paged KV (optional RoPE,
 Granite's attention multiplier), Nemotron-H's squared-ReLU MLP and sigmoid-routed MoE, Granite's
-softmax top-k MoE with its shared SwiGLU.
+softmax top-k MoE with its shared SwiGLU (``models/moe.py``, grouped on GPU / TPU).
 
 Params (``[in, out]`` weights, ``models/mamba2_params.py``): attention ``qkv_proj`` group-major
 per KV head (``r`` query heads, then k, then v, ``D`` each) and ``o_proj``; Nemotron MLP ``up``,
 ``down``; Nemotron MoE ``router [D, E]``, ``router_bias [E]``, ``up [E, D, I]``, ``down [E, I,
-D]``, ``shared_up``, ``shared_down``; Granite MoE ``router``, ``gate_up [E, D, 2I]`` (gate | up),
-``down``, and the shared MLP ``gate_up`` pair-interleaved (``models.layers.swiglu``), ``down``.
+D]``, ``shared_up``, ``shared_down``; Granite MoE in ``models/moe.py``'s layout without a shared
+gate (router, gate_up ``[E, D, 2I]`` gate | up, down, shared_gate_up pair-interleaved,
+shared_down), or without experts the shared MLP alone (``gate_up``, ``down``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.layers import F32, apply_rope, rope_cos_sin, swiglu
-from models.moe import route
+from models.moe import moe_dense_reference, moe_grouped, route
 from pallas_kernels import ops
 
 
@@ -79,22 +80,13 @@ def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array) -> jax
     return routed + relu2(x @ p["shared_up"]) @ p["shared_down"]
 
 
-def granite_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """Softmax over the top-k router logits, SwiGLU experts (gate | up), dense form as
-    ``nemotron_moe``. The shared MLP is added by the caller."""
-    num_experts = p["router"].shape[-1]
-    logits = (x @ p["router"]).astype(F32)
-    top_logits, top_idx = jax.lax.top_k(logits, cfg.num_experts_per_tok)
-    top_vals = jax.nn.softmax(top_logits, axis=-1).astype(x.dtype)
-    w = _weights(top_vals, top_idx, num_experts).astype(x.dtype)
-    g, u = jnp.split(jnp.einsum("td,edi->tei", x, p["gate_up"]), 2, axis=-1)
-    per_expert = jnp.einsum("tei,eid->ted", jax.nn.silu(g) * u, p["down"])
-    return jnp.einsum("ted,te->td", per_expert, w)
-
-
-def granite_mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array) -> jax.Array:
-    """Granite's feed-forward: the routed MoE (if the layer has one) plus the shared SwiGLU."""
-    shared = swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
-    if "moe" in layer:
-        return granite_moe(cfg, layer["moe"], x) + shared
-    return shared
+def granite_ffn(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
+                mesh: Mesh | None) -> jax.Array:
+    """Granite's feed-forward: the MoE plus the shared SwiGLU (``models/moe.py``: softmax over
+    the top-k router logits equals the top-k of the full softmax renormalised), grouped with
+    the Pallas kernels, dense with the references; or the shared SwiGLU alone."""
+    if "moe" not in layer:
+        return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
+    if impl == "reference":
+        return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok, True)
+    return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, True, mesh=mesh)

@@ -109,9 +109,11 @@ def _granite_layer(cfg: ModelConfig, src: TensorSource, pre: str, i: int) -> dic
         layer["attn"] = _attn(cfg, src, pre + "self_attn.")
     gate, up = np.split(np.asarray(src.get(pre + "shared_mlp.input_linear.weight", (2 * is_, d))),
                         2)
-    layer["mlp"] = {"gate_up": np.stack([gate, up], axis=1).reshape(2 * is_, d).T,
-                    "down": src.get(pre + "shared_mlp.output_linear.weight", (d, is_)).T}
-    if cfg.mlp_types[i] == "moe":
+    shared = {"gate_up": np.stack([gate, up], axis=1).reshape(2 * is_, d).T,
+              "down": src.get(pre + "shared_mlp.output_linear.weight", (d, is_)).T}
+    if cfg.mlp_types[i] != "moe":
+        layer["mlp"] = shared
+    else:
         e, im, m = cfg.num_experts, cfg.moe_intermediate_size, pre + "block_sparse_moe."
         legacy = m + "input_linear.weight" in src  # released checkpoints; else transformers 5
         layer["moe"] = {
@@ -121,6 +123,7 @@ def _granite_layer(cfg: ModelConfig, src: TensorSource, pre: str, i: int) -> dic
                                         else "experts.gate_up_proj"), e, (2 * im, d)),
             "down": _fused(src, m + ("output_linear.weight" if legacy else "experts.down_proj"),
                            e, (d, im)),
+            "shared_gate_up": shared["gate_up"], "shared_down": shared["down"],
         }
     return layer
 

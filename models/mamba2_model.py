@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from models.config import ModelConfig
 from models.layers import F32, rms_norm_plain
 from models.mamba2 import mamba2_mixer
-from models.mamba2_blocks import granite_mlp, nemotron_mlp, nemotron_moe, plain_attention
+from models.mamba2_blocks import granite_ffn, nemotron_mlp, nemotron_moe, plain_attention
 
 
 def rms_norm_f32_weight(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -64,7 +64,7 @@ def mamba2_forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: Model
             h = h + x
             continue
         h = h + x * m
-        h = h + granite_mlp(cfg, layer, norm(h, layer["post_norm"], eps)) * m
+        h = h + granite_ffn(cfg, layer, norm(h, layer["post_norm"], eps), impl, mesh) * m
     h = jnp.take(h, batch.logits_indices, axis=0)
     logits = norm(h, params["final_norm"], eps) @ params["lm_head"]
     if cfg.logits_scaling != 1.0:

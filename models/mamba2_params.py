@@ -12,9 +12,10 @@ With ``H, P, G, N`` the Mamba2 heads, head dim, groups, state size (``r = H / G`
   Nemotron-H: one sublayer per block with one norm (``input_norm``): mamba, attn, mlp (up
     ``[D, I]``, down ``[I, D]``, relu2) or moe (router ``[D, E]``, router_bias ``[E]``, up
     ``[E, D, Im]``, down ``[E, Im, D]``, shared_up ``[D, Is]``, shared_down ``[Is, D]``);
-  Granite 4.0-H: input_norm, mamba or attn, post_norm, mlp (the shared SwiGLU: gate_up ``[D,
-    2*Is]`` pair-interleaved, down ``[Is, D]``) and, with experts, moe (router, gate_up ``[E,
-    D, 2*Im]`` gate | up, down ``[E, Im, D]``).
+  Granite 4.0-H: input_norm, mamba or attn, post_norm, and with experts moe (``models/moe.py``'s
+    layout without a shared gate: router ``[D, E]``, gate_up ``[E, D, 2*Im]`` gate | up, down
+    ``[E, Im, D]``, shared_gate_up ``[D, 2*Is]`` pair-interleaved, shared_down ``[Is, D]``),
+    without experts mlp (the shared SwiGLU alone: gate_up, down).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def mamba2_layer_shapes(cfg: Any, kind: str, mlp: str) -> dict[str, Any]:
         return layer if mlp == "none" else {**layer, **_nemotron_ffn(cfg, mlp)}
     is_, im, e = cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size, cfg.num_experts
     layer["post_norm"] = (d,)
-    layer["mlp"] = {"gate_up": (d, 2 * is_), "down": (is_, d)}
-    if mlp == "moe":
-        layer["moe"] = {"router": (d, e), "gate_up": (e, d, 2 * im), "down": (e, im, d)}
+    if mlp == "moe":  # the shared MLP rides in the MoE dict (models/moe.py's layout)
+        layer["moe"] = {"router": (d, e), "gate_up": (e, d, 2 * im), "down": (e, im, d),
+                        "shared_gate_up": (d, 2 * is_), "shared_down": (is_, d)}
+    else:
+        layer["mlp"] = {"gate_up": (d, 2 * is_), "down": (is_, d)}
     return layer

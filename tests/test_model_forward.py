@@ -54,13 +54,15 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def test_presets_are_consistent():
-    assert set(PRESETS) == {"tiny_qwen3_next", "tiny_qwen3_5", "tiny_qwen3_5_moe",
-                            "tiny_qwen3_next_tp4"}
+    qwen = {"tiny_qwen3_next", "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_qwen3_next_tp4"}
+    assert qwen | {"tiny_nemotron_h", "tiny_granite_4_h"} <= set(PRESETS)
     for name, cfg in PRESETS.items():
         assert get_preset(name) is cfg
-        assert cfg.num_hidden_layers >= 4 and cfg.num_linear_layers == 3 * cfg.num_full_layers
-        assert cfg.num_attention_heads > cfg.num_key_value_heads  # GQA
-        assert 0 < cfg.rotary_dim < cfg.head_dim  # partial RoPE
+        if name in qwen:  # the 3:1 pattern, GQA, partial RoPE
+            assert cfg.num_hidden_layers >= 4
+            assert cfg.num_linear_layers == 3 * cfg.num_full_layers
+            assert cfg.num_attention_heads > cfg.num_key_value_heads
+            assert 0 < cfg.rotary_dim < cfg.head_dim
         assert cfg.linear_conv_dim == (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
                                        + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
         p = init_params(cfg, seed=0)

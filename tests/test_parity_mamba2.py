@@ -55,13 +55,15 @@ def test_bf16_within_tolerance(name):
     assert np.abs(logits - exp["prefill_logits"]).mean() < 2 * hf_mean + 0.01
 
 
-@pytest.mark.parametrize("family", ["tpu", "gpu"])
-def test_pallas_kernels_fp32(family, monkeypatch):
+@pytest.mark.parametrize("name, family", [("nemotron_h", "tpu"), ("nemotron_h", "gpu"),
+                                          ("granitemoehybrid", "tpu")])
+def test_pallas_kernels_fp32(name, family, monkeypatch):
     """The model on the Pallas SSD / conv / attention kernels of ``family`` (interpreted on CPU)
-    equals transformers like the references do: prefill, split prefill, 16 greedy steps."""
+    and, for Granite, the grouped (``ragged_dot``) MoE equals transformers like the references
+    do: split prefill, 16 greedy steps."""
     monkeypatch.setenv("PALLAS_FAMILY", family)
     step_fn.cache_clear()  # compiled steps read PALLAS_FAMILY when tracing
-    cfg, params, exp = fixture("nemotron_h", "float32")
+    cfg, params, exp = fixture(name, "float32")
     prompts = split_prompts(exp)
     split = run_split(params, cfg, prompts, exp["split_points"], jnp.float32, kernels="pallas")
     assert max_err(split, exp["split_logits"]) < FP32_TOL
