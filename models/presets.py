@@ -71,12 +71,13 @@ PRESETS["tiny_granite_4_h"] = ModelConfig(  # M M * M, MoE + shared SwiGLU, muP 
     logits_scaling=2.0, tie_word_embeddings=True, rms_norm_eps=1e-6, **_MAMBA2)
 
 # Kimi Linear (models/kimi_config.py): KDA x3 + MLA (NoPE, latent 32 + shared key 8 per token),
-# first MLP dense, then DeepSeek-style MoE (4 groups of 2 experts, top-2 groups, top-2).
+# first MLP dense, then DeepSeek-style MoE (4 groups of 2 experts, top-2 groups, top-2). KDA
+# conv channels 3 * 4 * 32 = 384, a multiple of 128 (the TPU conv prefill needs one above 128).
 PRESETS["tiny_kimi_linear"] = ModelConfig(
     family="kimi_linear", vocab_size=512, hidden_size=64, layer_types=_PATTERN,
     mlp_types=("dense", "moe", "moe", "moe"), num_attention_heads=4, num_key_value_heads=4,
-    head_dim=24, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
-    linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=128,
+    head_dim=24, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, linear_conv_kernel_dim=4, intermediate_size=128,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16,
     qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2, routed_scaling_factor=2.446,
