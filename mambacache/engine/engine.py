@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from mambacache.cache.radix import make_cache
+from mambacache.cache.radix import make_cache_from_config
 from mambacache.config import EngineConfig
 from mambacache.engine.checks import check_engine_integrity, validate_request
 from mambacache.engine.metrics import EngineMetrics
@@ -130,9 +130,7 @@ class Engine:
         return pool_field_sharding(self.mesh)
 
     def _new_cache(self):
-        c = self.cfg.cache
-        return make_cache(enable=c.enable, page_size=c.page_size, num_pages=c.num_pages,
-                          num_slots=c.num_mamba_slots, eviction=c.eviction)
+        return make_cache_from_config(self.cfg.cache)  # every cache key, speculative states too
 
     @property
     def cache(self):
