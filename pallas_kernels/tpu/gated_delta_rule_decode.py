@@ -1,8 +1,10 @@
 """TPU (Mosaic) kernel: gated delta rule recurrent decode (one token per sequence), pool in place.
 
-Grid ``(B,)``: each step DMAs the ``[Hv, Dk, Dv]`` state of ``read_slot[b]`` into VMEM, applies
-one token for all heads with elementwise ops and reductions (no matmuls: a decode step is
-memory-bound) and DMAs the new state to ``write_slot[b]`` (skipped for slot 0).
+Grid ``(B,)`` ("arbitrary": the DMAs cross steps): each step waits for the ``[Hv, Dk, Dv]``
+state of ``read_slot[b]`` (prefetched by the previous step), starts the read of ``b + 1``,
+applies one token for all heads with elementwise ops and reductions (no matmuls: a decode step
+is memory-bound) and starts the DMA of the new state to ``write_slot[b]`` (skipped for slot 0),
+drained at the next step.
 """
 
 from __future__ import annotations
@@ -19,41 +21,73 @@ from pallas_kernels.reference.gated_delta_rule import check_gdr_decode
 _F32 = jnp.float32
 
 
-def _columns(rows, diagonal):
-    """``[Hv, Dk]`` rows -> ``[Hv, Dk, 1]`` columns exactly (diagonal select + lane sum), so q, k
-    travel lane-dense instead of as 128x-padded ``[Dk, 1]`` columns."""
-    return jnp.sum(jnp.where(diagonal, rows[:, None, :], 0.0), axis=2, keepdims=True)
+def _column(row, diagonal):
+    """``[1, Dk]`` row -> ``[Dk, 1]`` column exactly (diagonal select + lane sum), so q, k travel
+    lane-dense instead of as 128x-padded ``[Dk, 1]`` columns."""
+    return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
 
 
 def _gdr_decode_kernel(read_ref, write_ref,  # SMEM [B] slots
-                       q_ref,      # [Hv, Dk] raw q (GQA-expanded), lane-dense rows
-                       k_ref,      # [Hv, Dk] raw k
+                       q_ref,      # [Hv, Dk] f32 raw q (GQA-expanded), lane-dense rows
+                       k_ref,      # [Hv, Dk] f32 raw k
                        v_ref,      # [Hv, 1, Dv]
                        g_ref,      # [Hv, 1, 1] f32 log-decay
                        beta_ref,   # [Hv, 1, 1] f32
                        pool_ref,   # [N, Hv, Dk, Dv] f32 HBM: initial states (alias of pool_out)
                        o_ref,      # [Hv, 1, Dv]
                        pool_out,   # [N, Hv, Dk, Dv] f32 HBM: new states
-                       state_ref):  # [Hv, Dk, Dv] f32 scratch
-    b = pl.program_id(0)
+                       buf_ref,    # [2, Hv, Dk, Dv] f32 scratch: this step's state, next one's
+                       read_sem,   # DMA semaphores [2]: state reads into buf_ref
+                       write_sem):  # DMA semaphores [2]: state writes out of buf_ref
+    # Double-buffered: sequence b+1's state is read while b computes and b's write drains
+    # while b+1 waits for its read. Slots a decode batch writes are not read by a later
+    # sequence of the batch (each writes its own slot), so the reordering is unobservable.
+    b, last = pl.program_id(0), pl.num_programs(0) - 1
+    cur, nxt = jax.lax.rem(b, 2), 1 - jax.lax.rem(b, 2)
+    read = lambda i, slot: pltpu.make_async_copy(pool_ref.at[read_ref[i]], buf_ref.at[slot],
+                                                 read_sem.at[slot])
+    write = lambda i, slot: pltpu.make_async_copy(buf_ref.at[slot], pool_out.at[write_ref[i]],
+                                                  write_sem.at[slot])
+
+    @pl.when(b == 0)
+    def _first_read():
+        read(0, 0).start()
+
+    read(b, cur).wait()
+
+    @pl.when((b > 0) & (write_ref[jnp.maximum(b - 1, 0)] > 0))
+    def _drain_previous_write():  # frees buf_ref[nxt] for the next read
+        write(b - 1, nxt).wait()
+
+    @pl.when(b < last)
+    def _prefetch_next():
+        read(b + 1, nxt).start()
+
     dk = q_ref.shape[1]
-    pltpu.sync_copy(pool_ref.at[read_ref[b]], state_ref)
-    hv = q_ref.shape[0]
-    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (hv, dk, dk), 1)
-                == jax.lax.broadcasted_iota(jnp.int32, (hv, dk, dk), 2))
-    q = _columns(q_ref[...].astype(_F32), diagonal)
-    k = _columns(k_ref[...].astype(_F32), diagonal)
-    q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6) * (dk ** -0.5)
-    k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
-    state = jnp.exp(g_ref[...]) * state_ref[...]
-    u = beta_ref[...] * (v_ref[...].astype(_F32) - jnp.sum(state * k, axis=1, keepdims=True))
-    state = state + k * u
-    o_ref[...] = jnp.sum(state * q, axis=1, keepdims=True).astype(o_ref.dtype)
-    state_ref[...] = state
+    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (dk, dk), 0)
+                == jax.lax.broadcasted_iota(jnp.int32, (dk, dk), 1))
+
+    def head(h, carry):  # one head at a time: temporaries stay [Dk, Dk] / [Dk, Dv]
+        q = _column(q_ref[pl.ds(h, 1), :].astype(_F32), diagonal)          # [Dk, 1]
+        k = _column(k_ref[pl.ds(h, 1), :].astype(_F32), diagonal)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=0, keepdims=True) + 1e-6) * (dk ** -0.5)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=0, keepdims=True) + 1e-6)
+        state = jnp.exp(g_ref[h]) * buf_ref[cur, h]                        # [Dk, Dv]
+        u = beta_ref[h] * (v_ref[h].astype(_F32) - jnp.sum(state * k, axis=0, keepdims=True))
+        state = state + k * u
+        o_ref[h] = jnp.sum(state * q, axis=0, keepdims=True).astype(o_ref.dtype)
+        buf_ref[cur, h] = state
+        return carry
+
+    jax.lax.fori_loop(0, q_ref.shape[0], head, 0)
 
     @pl.when(write_ref[b] > 0)
     def _write():
-        pltpu.sync_copy(state_ref, pool_out.at[write_ref[b]])
+        write(b, cur).start()
+
+    @pl.when((b == last) & (write_ref[b] > 0))
+    def _drain_last_write():
+        write(b, cur).wait()
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
@@ -67,8 +101,8 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
     num_seqs, num_heads, dv = v.shape
     hk, dk = check_gdr_decode(q, k, v, g, beta, ssm_pool)
     group = num_heads // hk
-    qe = jnp.repeat(q, group, axis=1)
-    ke = jnp.repeat(k, group, axis=1)
+    qe = jnp.repeat(q, group, axis=1).astype(_F32)  # f32 rows: one-row loads of a packed
+    ke = jnp.repeat(k, group, axis=1).astype(_F32)  # bf16 ref at a dynamic head do not lower
     col = lambda a: a.astype(_F32).reshape(num_seqs, num_heads, 1, 1)
     sq = pl.Squeezed()
     spec = lambda *last: pl.BlockSpec((sq, num_heads) + last, lambda b, *_: (b, 0, 0, 0))
@@ -78,7 +112,8 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
         in_specs=[rows, rows, spec(1, dv), spec(1, 1), spec(1, 1),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[spec(1, dv), pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM((num_heads, dk, dv), _F32)])
+        scratch_shapes=[pltpu.VMEM((2, num_heads, dk, dv), _F32),
+                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))])
     o, ssm_pool = pl.pallas_call(
         _gdr_decode_kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((num_seqs, num_heads, 1, dv), v.dtype),
