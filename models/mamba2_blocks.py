@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.layers import F32, apply_rope, rope_cos_sin, swiglu
-from models.moe import moe_dense_reference, moe_grouped, route
+from models.moe import moe_dense_reference, moe_grouped, route, routed_experts
 from pallas_kernels import ops
 
 
@@ -64,20 +64,25 @@ def _weights(top_vals: jax.Array, top_idx: jax.Array, num_experts: int) -> jax.A
     return jnp.einsum("tk,tke->te", top_vals.astype(F32), one_hot)
 
 
-def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, impl: str = "reference",
+                 mesh: Mesh | None = None) -> jax.Array:
     """Sigmoid-scored, group-limited top-k over non-gated relu2 experts, plus the shared expert
-    on the same input. Dense form (every expert on every token, weight 0 outside the top-k):
-    exact; its cost is ``T * E`` expert evaluations. Routing in fp32 as transformers."""
+    on the same input; routing in fp32 as transformers. With the references the dense form
+    (every expert on every token, weight 0 outside the top-k: exact, ``T * E`` evaluations);
+    with the Pallas kernels the grouped ``ragged_dot`` form of ``models/moe.py`` (``T * k``)."""
     num_experts = p["router"].shape[-1]
     top_vals, top_idx = route(x.astype(F32), p["router"].astype(F32), cfg.num_experts_per_tok,
                               cfg.norm_topk_prob, bias=p["router_bias"],
                               groups=(cfg.n_group, cfg.topk_group),
                               scale=cfg.routed_scaling_factor)
-    w = _weights(top_vals, top_idx, num_experts)                     # [T, E]
-    h = relu2(jnp.einsum("td,edi->tei", x, p["up"]))
-    per_expert = jnp.einsum("tei,eid->ted", h, p["down"]).astype(F32)
-    routed = jnp.einsum("ted,te->td", per_expert, w).astype(x.dtype)
-    return routed + relu2(x @ p["shared_up"]) @ p["shared_down"]
+    if impl == "reference":
+        w = _weights(top_vals, top_idx, num_experts)                 # [T, E]
+        h = relu2(jnp.einsum("td,edi->tei", x, p["up"]))
+        per_expert = jnp.einsum("tei,eid->ted", h, p["down"]).astype(F32)
+        routed = jnp.einsum("ted,te->td", per_expert, w)
+    else:
+        routed = routed_experts(x, top_vals, top_idx, p["up"], p["down"], act=relu2, mesh=mesh)
+    return routed.astype(x.dtype) + relu2(x @ p["shared_up"]) @ p["shared_down"]
 
 
 def granite_ffn(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,

@@ -59,7 +59,7 @@ def mamba2_forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: Model
         elif mlp == "dense":
             x = nemotron_mlp(layer["mlp"], x)
         else:
-            x = nemotron_moe(cfg, layer["moe"], x)
+            x = nemotron_moe(cfg, layer["moe"], x, impl, mesh)
         if nemotron:
             h = h + x
             continue

@@ -109,8 +109,14 @@ def _bias(p: dict[str, jax.Array], routing: dict) -> dict:
     return {**routing, "bias": p["router_bias"]} if "router_bias" in p else routing
 
 
+def _glu(h: jax.Array) -> jax.Array:
+    """SwiGLU on the expert's ``gate | up`` projection ``[..., 2I]`` -> ``[..., I]``."""
+    g, u = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(g) * u
+
+
 def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_up: jax.Array,
-                     down: jax.Array, expert_offset: jax.Array | int) -> jax.Array:
+                     down: jax.Array, expert_offset: jax.Array | int, act=_glu) -> jax.Array:
     """Routed output ``[T, H]`` float32 of the experts ``expert_offset + [0, E_local)``.
 
     x ``[T, H]``; top_vals / top_idx ``[T, k]`` (global expert ids); gate_up ``[E_local, H, 2I]``,
@@ -124,9 +130,8 @@ def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate
     order = jnp.argsort(group, stable=True)                        # [T*k] pair ids by expert
     group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
     rows = jnp.take(x, order // top_k, axis=0)                     # [T*k, H]
-    h = jax.lax.ragged_dot(rows, gate_up, group_sizes)             # [T*k, 2I]
-    g, u = jnp.split(h, 2, axis=-1)
-    out = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, group_sizes)  # [T*k, H]
+    h = jax.lax.ragged_dot(rows, gate_up, group_sizes)             # [T*k, 2I] (or [T*k, I])
+    out = jax.lax.ragged_dot(act(h), down, group_sizes)            # [T*k, H]
     # rows past sum(group_sizes) (other devices' pairs) are not defined by ragged_dot: mask
     out = jnp.where(jnp.take(is_local, order)[:, None], out, jnp.zeros_like(out))
     weighted = out * jnp.take(top_vals.reshape(-1), order)[:, None]  # x.dtype, as the dense form
@@ -143,15 +148,23 @@ def moe_grouped(x: jax.Array, p: dict[str, jax.Array], top_k: int, norm_topk_pro
     over which ``gate_up`` / ``down`` are split on the expert axis (``E % tp == 0``).
     """
     top_vals, top_idx = route(x, p["router"], top_k, norm_topk_prob, **_bias(p, routing))
-    if mesh is None:
-        routed = _grouped_experts(x, top_vals, top_idx, p["gate_up"], p["down"], 0)
-    else:
-        routed = _routed_on_mesh(x, top_vals, top_idx, p["gate_up"], p["down"], mesh)
+    routed = routed_experts(x, top_vals, top_idx, p["gate_up"], p["down"], mesh=mesh)
     return routed.astype(x.dtype) + _shared_expert(x, p)
 
 
+def routed_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, w_in: jax.Array,
+                   w_out: jax.Array, *, act=_glu, mesh: Mesh | None = None) -> jax.Array:
+    """The grouped routed part alone, ``[T, H]`` float32: ``sum_k top_vals * w_out(act(w_in
+    x))`` over each token's experts. ``w_in [E, H, I_in]``, ``w_out [E, I, H]``; ``act`` maps
+    ``I_in`` to ``I`` (default SwiGLU on ``gate | up``; Nemotron-H passes relu2 with
+    ``I_in = I``). ``mesh``: experts split over "tp" as in ``moe_grouped``."""
+    if mesh is None:
+        return _grouped_experts(x, top_vals, top_idx, w_in, w_out, 0, act)
+    return _routed_on_mesh(x, top_vals, top_idx, w_in, w_out, mesh, act)
+
+
 def _routed_on_mesh(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_up: jax.Array,
-                    down: jax.Array, mesh: Mesh) -> jax.Array:
+                    down: jax.Array, mesh: Mesh, act=_glu) -> jax.Array:
     if TP_AXIS not in mesh.axis_names:
         raise ValueError(f"mesh axes {mesh.axis_names} must include {TP_AXIS!r}")
     tp = mesh.shape[TP_AXIS]
@@ -160,7 +173,7 @@ def _routed_on_mesh(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_
 
     def per_device(x, top_vals, top_idx, gate_up, down):
         offset = jax.lax.axis_index(TP_AXIS) * gate_up.shape[0]
-        part = _grouped_experts(x, top_vals, top_idx, gate_up, down, offset)
+        part = _grouped_experts(x, top_vals, top_idx, gate_up, down, offset, act)
         return jax.lax.psum(part, TP_AXIS)
 
     experts = P(TP_AXIS, None, None)
