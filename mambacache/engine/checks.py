@@ -45,7 +45,29 @@ def validate_request(prompt: Sequence[int] | np.ndarray, params: SamplingParams,
 
 def check_engine_integrity(engine: Any) -> None:
     """The cache's own check, then request ownership: every id the allocators list as held by a
-    request is held by exactly one running request, and each running request is consistent."""
+    request is held by exactly one running request, and each running request is consistent;
+    with speculative decoding, the scratch lanes; with the shadow runner, the tree's states and
+    KV against their tokens."""
+    _check_ownership(engine)
+    speculative = engine.scheduler.speculative
+    if speculative is not None:
+        slots = {n.slot for n in _tree_nodes(engine.cache) if n.slot is not None}
+        speculative.check_lanes(engine.scheduler.running, slots)
+    if hasattr(engine.runner, "check_tree"):  # the data-flow oracle: tree states vs tokens
+        engine.runner.check_tree(engine.cache)
+
+
+def _tree_nodes(cache: Any) -> list[Any]:
+    """Every node of every root of ``cache`` (none for the disabled cache)."""
+    out, todo = [], list(getattr(cache, "roots", {}).values())
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        todo.extend(node.children.values())
+    return out
+
+
+def _check_ownership(engine: Any) -> None:
     cache = engine.cache
     cache.check_integrity()
     sched = engine.scheduler

@@ -19,6 +19,7 @@ from absl import logging
 from mambacache.cache.radix import make_cache_from_config
 from mambacache.config import EngineConfig
 from mambacache.engine.checks import check_engine_integrity, validate_request
+from mambacache.engine.loading import load_model, model_dtype
 from mambacache.engine.metrics import EngineMetrics
 from mambacache.engine.overlap import overlap_step
 from mambacache.engine.request import Request, RequestOutput, Status
@@ -27,50 +28,11 @@ from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.speculative import num_state_slots, spec_metrics
 from mambacache.engine.step_plan import ScheduledSeq, first_logit_row
 
+__all__ = ["Engine", "load_model", "model_dtype"]
+
 #: consecutive steps that schedule nothing while requests are unfinished before ``generate``
 #: gives up (the scheduler is deterministic: one such step already means none will follow).
 MAX_IDLE_STEPS = 2
-
-
-def model_dtype(cfg: EngineConfig) -> Any:
-    """The JAX dtype of ``model.dtype`` (params, KV pages and conv states; SSM states are fp32)."""
-    import jax.numpy as jnp
-
-    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
-
-
-def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
-    """(model config, params) from ``model.path`` or ``model.preset``.
-
-    ``model.path``: an Orbax directory (``checkpoint.convert_hf_to_orbax`` / ``save_params``:
-    holds ``model.json``), restored straight onto the ``parallel.tensor_parallel`` mesh so no
-    device holds the whole model; otherwise a Hugging Face directory.
-    """
-    from pathlib import Path
-
-    dtype = model_dtype(cfg)
-    if cfg.model.path is not None:
-        if (Path(cfg.model.path) / "model.json").is_file():
-            from mambacache.parallel.checkpoint import restore_params
-            from mambacache.parallel.mesh import make_mesh
-
-            tp = cfg.parallel.tensor_parallel
-            return restore_params(cfg.model.path, make_mesh(tp) if tp > 1 else None, dtype)
-        from models.loader import load_checkpoint
-
-        return load_checkpoint(cfg.model.path, dtype=dtype)
-    from models.params import init_params
-    from models.presets import get_preset
-
-    model_cfg = get_preset(cfg.model.preset)
-    params = init_params(model_cfg, seed=cfg.model.seed, dtype=dtype)
-    scale = cfg.model.init_branch_scale
-    if scale != 1.0:  # every matrix inside the layers (norms, A_log, dt_bias are 1-D)
-        import jax
-
-        params = {**params, "layers": jax.tree_util.tree_map(
-            lambda w: w * scale if w.ndim >= 2 else w, params["layers"])}
-    return model_cfg, params
 
 
 class Engine:
@@ -346,18 +308,3 @@ class Engine:
     def check_integrity(self) -> None:
         """Raise if any invariant of the tree, the pools or the requests is broken."""
         check_engine_integrity(self)
-        if self.scheduler.speculative is not None:
-            slots = {n.slot for n in _tree_nodes(self.cache) if n.slot is not None}
-            self.scheduler.speculative.check_lanes(self.scheduler.running, slots)
-        if hasattr(self.runner, "check_tree"):  # the data-flow oracle: tree states vs tokens
-            self.runner.check_tree(self.cache)
-
-
-def _tree_nodes(cache: Any) -> list[Any]:
-    """Every node of every root of ``cache`` (none for the disabled cache)."""
-    out, todo = [], list(getattr(cache, "roots", {}).values())
-    while todo:
-        node = todo.pop()
-        out.append(node)
-        todo.extend(node.children.values())
-    return out

@@ -1,0 +1,50 @@
+"""The model an engine serves: ``load_model`` (a Hugging Face or Orbax directory, or a seeded
+preset) and ``model_dtype``. Imports JAX and the model lazily, so the host-only engine pieces
+(the simulator's) never load them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mambacache.config import EngineConfig
+
+
+def model_dtype(cfg: EngineConfig) -> Any:
+    """The JAX dtype of ``model.dtype`` (params, KV pages and conv states; SSM states are fp32)."""
+    import jax.numpy as jnp
+
+    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
+def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
+    """(model config, params) from ``model.path`` or ``model.preset``.
+
+    ``model.path``: an Orbax directory (``checkpoint.convert_hf_to_orbax`` / ``save_params``:
+    holds ``model.json``), restored straight onto the ``parallel.tensor_parallel`` mesh so no
+    device holds the whole model; otherwise a Hugging Face directory.
+    """
+    from pathlib import Path
+
+    dtype = model_dtype(cfg)
+    if cfg.model.path is not None:
+        if (Path(cfg.model.path) / "model.json").is_file():
+            from mambacache.parallel.checkpoint import restore_params
+            from mambacache.parallel.mesh import make_mesh
+
+            tp = cfg.parallel.tensor_parallel
+            return restore_params(cfg.model.path, make_mesh(tp) if tp > 1 else None, dtype)
+        from models.loader import load_checkpoint
+
+        return load_checkpoint(cfg.model.path, dtype=dtype)
+    from models.params import init_params
+    from models.presets import get_preset
+
+    model_cfg = get_preset(cfg.model.preset)
+    params = init_params(model_cfg, seed=cfg.model.seed, dtype=dtype)
+    scale = cfg.model.init_branch_scale
+    if scale != 1.0:  # every matrix inside the layers (norms, A_log, dt_bias are 1-D)
+        import jax
+
+        params = {**params, "layers": jax.tree_util.tree_map(
+            lambda w: w * scale if w.ndim >= 2 else w, params["layers"])}
+    return model_cfg, params
