@@ -6,7 +6,8 @@ on this machine; ``capture`` records each kernel's Triton IR module (and its ``n
 pipeline to a cubin for ``GPUTarget("cuda", 90, 32)`` (what XLA's Triton emitter does on an
 H100/H200), and the ``cuobjdump`` bundled with triton reports registers, shared memory and the
 SASS: spill instructions (``STL`` / ``LDL``: local memory) and tensor-core instructions
-(``HGMMA``: Hopper warpgroup MMA, ``HMMA``: warp MMA).
+(``HGMMA``: Hopper warpgroup MMA, ``HMMA``: warp MMA). A kernel needing more than 227 KB of
+shared memory fails the gate: it compiles but cannot launch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 import jax
 
 SM = 90
+SHARED_LIMIT = 227 * 1024  # H100 / H200: most shared memory one block may have (opt-in)
 
 
 def _triton_bin(tool: str) -> str:
@@ -99,6 +101,10 @@ def compile_for_sm90(fn, args) -> dict:
         return {"ok": False, "error": " ".join(str(e).split())[:300], "kernels": []}
     if not kernels:
         return {"ok": False, "error": "no Triton kernel was lowered", "kernels": []}
+    over = [f"{k['kernel']} needs {k['shared_bytes'] // 1024} KB shared memory > 227 KB"
+            for k in kernels if k["shared_bytes"] > SHARED_LIMIT]
+    if over:  # compiles, but cannot launch (triton raises OutOfResources at load)
+        return {"ok": False, "error": "; ".join(over), "kernels": kernels}
     return {"ok": True, "error": None, "kernels": kernels}
 
 
