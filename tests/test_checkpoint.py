@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from mambacache.parallel.checkpoint import convert_hf_to_orbax, restore_params
 from mambacache.engine.engine import Engine
+from mambacache.parallel.checkpoint import convert_hf_to_orbax, restore_params
 from tests.engine_helpers import BASE, assert_same_outputs, make_engine, rand_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
