@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import chunk_layout, extend_targets, max_chunks, token_seq_ids
 from pallas_kernels.reference.gated_delta_rule import check_gdr
+from pallas_kernels.tpu._targets import decayed_state_after, write_state_targets
 
 _F32 = jnp.float32
 
@@ -105,25 +106,9 @@ def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
     attn = decay * qk_k[:bt]
     o_ref[...] = (jnp.exp(gc) * qk_s0[:bt] + _dot(attn, u)).astype(o_ref.dtype)
 
-    lane = jax.lax.broadcasted_iota(jnp.int32, (1, bt), 1)
-
-    def state_after(r):  # state after the first r tokens of the chunk, r in 0..BT
-        g_r = jnp.sum(jnp.where(lane == r - 1, gr, 0.0), axis=1, keepdims=True)  # [1, 1]
-        w = jnp.where(rows[:, :1] < r, jnp.exp(g_r - gc), 0.0)             # [BT, 1]
-        return jnp.exp(g_r) * s0 + _dot(k, w * u, trans_a=True)
-
-    def write_target(j, carry):
-        slot = tslot_ref[j]
-
-        @pl.when(slot > 0)
-        def _write():
-            snap_ref[...] = state_after(trow_ref[j])
-            pltpu.sync_copy(snap_ref, pool_out.at[slot, h])
-
-        return carry
-
-    jax.lax.fori_loop(tstart_ref[c], tstart_ref[c + 1], write_target, 0)
-    state_ref[...] = state_after(bt)
+    write_state_targets(decayed_state_after(s0, k, u, gc, gr, _dot), h=h, c=c, bt=bt,
+                        tstart_ref=tstart_ref, trow_ref=trow_ref, tslot_ref=tslot_ref,
+                        snap_ref=snap_ref, pool_out=pool_out, state_ref=state_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))

@@ -26,6 +26,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.kda_chunk import SUB, chunk_output, state_after
 from pallas_kernels.reference.kda import check_kda
+from pallas_kernels.tpu._targets import write_state_targets
 from pallas_kernels.tpu.gated_delta_rule import _unit_lower_inverse
 
 _F32 = jnp.float32
@@ -61,18 +62,9 @@ def _kda_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
                         _unit_lower_inverse)
     o_ref[...] = o.astype(o_ref.dtype)
 
-    def write_target(j, carry):
-        slot = tslot_ref[j]
-
-        @pl.when(slot > 0)
-        def _write():
-            snap_ref[...] = state_after(trow_ref[j], k, gcum, u, s0)
-            pltpu.sync_copy(snap_ref, pool_out.at[slot, h])
-
-        return carry
-
-    jax.lax.fori_loop(tstart_ref[c], tstart_ref[c + 1], write_target, 0)
-    state_ref[...] = state_after(bt, k, gcum, u, s0)
+    write_state_targets(lambda r: state_after(r, k, gcum, u, s0), h=h, c=c, bt=bt,
+                        tstart_ref=tstart_ref, trow_ref=trow_ref, tslot_ref=tslot_ref,
+                        snap_ref=snap_ref, pool_out=pool_out, state_ref=state_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))

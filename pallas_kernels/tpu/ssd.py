@@ -28,6 +28,7 @@ from pallas_kernels._common import (
     token_seq_ids,
 )
 from pallas_kernels.reference.ssd import check_ssd, expand_groups
+from pallas_kernels.tpu._targets import decayed_state_after, write_state_targets
 
 _F32 = jnp.float32
 
@@ -64,25 +65,9 @@ def _ssd_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
                               gc - gr, -jnp.inf))                         # exp(g_i - g_j), j<=i
     s0 = state_ref[...]
     y_ref[...] = jnp.exp(gc) * _dot(cm, s0) + _dot(decay * _dot(cm, bm, trans_b=True), u)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (1, bt), 1)
-
-    def state_after(r):  # state after the first r rows of the chunk, r in 0..BT
-        g_r = jnp.sum(jnp.where(lane == r - 1, gr, 0.0), axis=1, keepdims=True)  # [1, 1]
-        w = jnp.where(rows[:, :1] < r, jnp.exp(g_r - gc), 0.0)              # [BT, 1]
-        return jnp.exp(g_r) * s0 + _dot(bm, w * u, trans_a=True)
-
-    def write_target(j, carry):
-        slot = tslot_ref[j]
-
-        @pl.when(slot > 0)
-        def _write():
-            snap_ref[...] = state_after(trow_ref[j])
-            pltpu.sync_copy(snap_ref, pool_out.at[slot, h])
-
-        return carry
-
-    jax.lax.fori_loop(tstart_ref[c], tstart_ref[c + 1], write_target, 0)
-    state_ref[...] = state_after(bt)
+    write_state_targets(decayed_state_after(s0, bm, u, gc, gr, _dot), h=h, c=c, bt=bt,
+                        tstart_ref=tstart_ref, trow_ref=trow_ref, tslot_ref=tslot_ref,
+                        snap_ref=snap_ref, pool_out=pool_out, state_ref=state_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
