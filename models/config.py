@@ -19,6 +19,7 @@ from typing import Any
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "nemotron_h",
             "granitemoehybrid")
+MTP_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # models/mtp.py
 LAYER_TYPES = ("linear_attention", "full_attention", "none")  # none: Nemotron-H MLP-only blocks
 
 _ARCH_TO_FAMILY = {
@@ -96,6 +97,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 0.0
     logits_scaling: float = 1.0
+    # Multi-token prediction head (``models/mtp.py``): MTP layers the params carry (0 or 1;
+    # Qwen3-Next / Qwen3.5 families), the speculative ``mtp`` drafter's model.
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -143,6 +147,10 @@ class ModelConfig:
             _require(0 < self.num_experts_per_tok <= self.num_experts,
                      f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                      f"got {self.num_experts_per_tok}")
+        _require(self.num_mtp_layers in (0, 1),
+                 f"num_mtp_layers must be 0 or 1, got {self.num_mtp_layers!r}")
+        _require(not self.num_mtp_layers or self.family in MTP_FAMILIES,
+                 f"an MTP head is supported for {MTP_FAMILIES}, not {self.family}")
         if self.family == "kimi_linear":
             from models.kimi_config import validate_kimi
             validate_kimi(self)

@@ -12,6 +12,7 @@ fused ``gate_up_proj``/``down_proj``). A missing, unexpected or mis-shaped tenso
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
+from models.config import MTP_FAMILIES, ModelConfig
 from models.params import check_params
 from models.safetensors_io import TensorSource, checkpoint_files
 
@@ -146,8 +147,28 @@ def _prefix(src: TensorSource) -> str:
     raise ValueError("checkpoint tensor 'model.embed_tokens.weight' is missing")
 
 
-def load_checkpoint(path: str | Path, dtype: Any = jnp.float32) -> tuple[ModelConfig, dict]:
-    """Load ``(cfg, params)`` from a Hugging Face checkpoint directory, params cast to ``dtype``."""
+def _mtp(cfg: ModelConfig, src: TensorSource) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5 ``mtp.*`` -> ``params["mtp"]`` (``params.mtp_shapes``)."""
+    h, pre = cfg.hidden_size, "mtp.layers.0."
+    layer: dict[str, Any] = {"input_norm": src.get(pre + "input_layernorm.weight", (h,)),
+                             "post_norm": src.get(pre + "post_attention_layernorm.weight", (h,)),
+                             "attn": _attn(cfg, src, pre + "self_attn.")}
+    if cfg.mlp_types[-1] == "moe":
+        layer["moe"] = _moe(cfg, src, pre + "mlp.")
+    else:
+        gate_up, down = _swiglu(src, pre + "mlp.", h, cfg.intermediate_size)
+        layer["mlp"] = {"gate_up": gate_up, "down": down}
+    return {"embed_norm": src.get("mtp.pre_fc_norm_embedding.weight", (h,)),
+            "hidden_norm": src.get("mtp.pre_fc_norm_hidden.weight", (h,)),
+            "fc": src.get("mtp.fc.weight", (h, 2 * h)).T, "layer": layer,
+            "final_norm": src.get("mtp.norm.weight", (h,))}
+
+
+def load_checkpoint(path: str | Path, dtype: Any = jnp.float32,
+                    mtp: bool = False) -> tuple[ModelConfig, dict]:
+    """Load ``(cfg, params)`` from a Hugging Face checkpoint directory, params cast to ``dtype``.
+    ``mtp``: also load the multi-token-prediction head (``mtp.*``, ``models/mtp.py``); a
+    ``ValueError`` if the checkpoint has none. Without it ``mtp.*`` is ignored."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"no config.json in {str(path)!r}")
@@ -169,6 +190,12 @@ def load_checkpoint(path: str | Path, dtype: Any = jnp.float32) -> tuple[ModelCo
         tree["lm_head"] = src.get("lm_head.weight", (v, h)).T
     else:
         tree["lm_head"] = np.asarray(tree["embed"]).T
+    if mtp:
+        if cfg.family not in MTP_FAMILIES or "mtp.fc.weight" not in src:
+            raise ValueError(f"speculative.method 'mtp' needs an MTP head (mtp.* tensors); "
+                             f"the {cfg.family} checkpoint in {str(path)!r} has none")
+        cfg = dataclasses.replace(cfg, num_mtp_layers=1)
+        tree["mtp"] = _mtp(cfg, src)
     extra = sorted(k for k in src.keys() - src.used if not any(p.search(k) for p in IGNORED))
     if extra:
         raise ValueError(f"unexpected checkpoint tensor(s) {extra[:8]}"

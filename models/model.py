@@ -34,7 +34,7 @@ from pallas_kernels import ops
 KERNELS = ("pallas", "reference", "auto")
 
 
-def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
+def mlp_block(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
          mesh: Mesh | None) -> jax.Array:
     """Dense SwiGLU, or the MoE: grouped (``ragged_dot``, cost ~ T * k) with the Pallas kernels
     (GPU/TPU), the dense form (every expert on every token) with the references: on CPU
@@ -51,9 +51,11 @@ def _mlp(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
 
 
 def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
-            kernels: str = "auto", decode: bool = False,
-            mesh: Mesh | None = None) -> tuple[Any, jax.Array]:
-    """Run one step over the packed batch; returns (updated pools, logits ``[L, V]`` float32).
+            kernels: str = "auto", decode: bool = False, mesh: Mesh | None = None,
+            return_hidden: bool = False) -> tuple[Any, ...]:
+    """Run one step over the packed batch; returns (updated pools, logits ``[L, V]`` float32),
+    and with ``return_hidden`` the final-normed hidden state of every packed token ``[T, H]``
+    (the input of the MTP head, ``models/mtp.py``; Qwen3-Next / Qwen3.5 families).
 
     Logits are taken at ``batch.logits_indices``. ``decode=True`` requires one token per
     sequence (``T == B``) and uses the single-step recurrent/conv ops. ``mesh``: see the module
@@ -94,9 +96,13 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
                 mesh=mesh)
             full_i += 1
         h = h + x
-        h = h + _mlp(cfg, layer, norm(h, layer["post_norm"], cfg.rms_norm_eps), impl, mesh)
-    h = jnp.take(h, batch.logits_indices, axis=0)
-    logits = (norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
+        h = h + mlp_block(cfg, layer, norm(h, layer["post_norm"], cfg.rms_norm_eps), impl, mesh)
     pools = pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),
                           ssm=tuple(ssm))
+    if return_hidden:  # the same row-wise norm as below, on every token
+        hidden = norm(h, params["final_norm"], cfg.rms_norm_eps)
+        logits = jnp.take(hidden, batch.logits_indices, axis=0) @ params["lm_head"]
+        return pools, logits.astype(jnp.float32), hidden
+    h = jnp.take(h, batch.logits_indices, axis=0)
+    logits = (norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
     return pools, logits.astype(jnp.float32)

@@ -107,8 +107,25 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         else:
             layer["mlp"] = mlp_shapes(cfg)
         layers.append(layer)
-    return {"embed": (cfg.vocab_size, h), "final_norm": (h,), "lm_head": (h, cfg.vocab_size),
+    tree = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "lm_head": (h, cfg.vocab_size),
             "layers": tuple(layers)}
+    if cfg.num_mtp_layers:  # last: the target's params draw the same random numbers either way
+        tree["mtp"] = mtp_shapes(cfg)
+    return tree
+
+
+def mtp_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The MTP head (``models/mtp.py``): ``embed_norm``, ``hidden_norm`` ``[H]`` (zero-centred),
+    ``fc`` ``[2H, H]`` over ``[embedding | hidden]``, one full-attention ``layer`` with the MLP
+    kind of the model's last layer, ``final_norm`` ``[H]``. Embedding and lm_head are shared."""
+    h = cfg.hidden_size
+    layer: dict[str, Any] = {"input_norm": (h,), "post_norm": (h,), "attn": attn_shapes(cfg)}
+    if cfg.mlp_types[-1] == "moe":
+        layer["moe"] = moe_shapes(cfg)
+    else:
+        layer["mlp"] = mlp_shapes(cfg)
+    return {"embed_norm": (h,), "hidden_norm": (h,), "fc": (2 * h, h), "layer": layer,
+            "final_norm": (h,)}
 
 
 def _is_shape(x: Any) -> bool:
@@ -120,7 +137,8 @@ def _init_leaf(path: str, shape: tuple[int, ...], rng: np.random.Generator,
     """Random value for one leaf; norms, A_log and dt_bias are randomised too (not identity).
     ``plain_norms``: the family's layer norms multiply by ``w`` (Kimi Linear), not ``1 + w``."""
     name = path.rsplit("/", 1)[-1]
-    if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm") and not plain_norms:
+    if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm", "embed_norm",
+                "hidden_norm") and not plain_norms:
         return rng.normal(0.0, 0.1, shape)  # zero-centred: the norm multiplies by (1 + w)
     if name in ("norm", "kv_norm", "input_norm", "post_norm", "final_norm"):
         return 1.0 + rng.normal(0.0, 0.1, shape)  # plain weight (gated norms, Kimi's norms)

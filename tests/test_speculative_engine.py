@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import mambacache as mc
+from mambacache.engine.drafters import Drafter
 from mambacache.engine.sampling import SamplingBatch, sample
 from mambacache.engine.speculative import accepted_drafts
 from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
@@ -24,7 +25,7 @@ K = 3
 NEW = 12
 
 
-class CheatDrafter:
+class CheatDrafter(Drafter):
     """Proposes the reference continuation with every token at a position ``p % 3 == 1``
     replaced (so acceptance stops at varying offsets)."""
 

@@ -67,8 +67,10 @@ class ForwardBatch:
 def build_forward_batch(seqs: Sequence[SeqSpec], page_size: int, *, num_tokens: int | None = None,
                         num_seqs: int | None = None, num_pages_per_seq: int | None = None,
                         num_snapshots: int | None = None, num_logits: int | None = None,
-                        as_numpy: bool = False) -> Any:
-    """Pack ``seqs`` into a ``ForwardBatch`` padded to the given sizes (default: exact fit)."""
+                        as_numpy: bool = False, all_pages: bool = False) -> Any:
+    """Pack ``seqs`` into a ``ForwardBatch`` padded to the given sizes (default: exact fit).
+    ``all_pages``: page tables list every page a sequence holds (up to P), not only those its
+    ``seq_lens`` cover [speculative: the MTP drafts' K/V go past the step's tokens]."""
     ext = [len(s.tokens) for s in seqs]
     total = sum(ext)
     T = num_tokens if num_tokens is not None else max(total, 1)
@@ -102,7 +104,8 @@ def build_forward_batch(seqs: Sequence[SeqSpec], page_size: int, *, num_tokens: 
         pos[start:start + n] = p
         loc[start:start + n] = pages[p // page_size] * page_size + p % page_size
         seq_lens[i] = s.prefix_len + n
-        table[i, :len(pages)] = pages
+        held = np.asarray(s.page_ids[:P], np.int32) if all_pages else pages
+        table[i, :len(held)] = held
         read[i], write[i] = s.read_slot, s.write_slot
         if s.logits == "all":
             logit_idx.extend(range(start, start + n))

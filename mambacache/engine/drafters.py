@@ -9,11 +9,18 @@ unverified token: it is handed ``Request.token_ids`` (prompt + accepted outputs)
 ``ngram`` (prompt lookup): take the last ``n`` tokens, ``n`` from ``ngram_max`` down to
 ``ngram_min``; find their most recent earlier occurrence in the request's own prompt + output;
 propose what followed it. No model, no device.
+
+``mtp`` (the model's multi-token-prediction head, ``models/mtp.py``): the step itself drafts on
+the device, after sampling, for every row that samples; the runner returns the drafts with the
+tokens (``ModelRunner.last_drafts``) and ``observe`` keeps them per request until its next step.
+``mtp_inputs`` tells the device, per packed position, which token follows it (known on the host,
+or this step's sample) and where each row's drafting starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -21,7 +28,22 @@ from numpy.lib.stride_tricks import sliding_window_view
 from mambacache.config import SpeculativeConfig
 
 
-class NgramDrafter:
+class Drafter:
+    """The interface ``SpecDecoder`` uses: ``propose_for(req, k)`` (up to ``k`` drafts to follow
+    ``req.token_ids``) and ``forget(request_id)`` (the request released). A drafter that only
+    looks at tokens implements ``propose(tokens, k)``."""
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_for(self, req: Any, k: int) -> list[int]:
+        return self.propose(req.token_ids, k)
+
+    def forget(self, request_id: int) -> None:
+        """Nothing kept per request by default."""
+
+
+class NgramDrafter(Drafter):
     """Prompt lookup over the request's own tokens (``ngram_min..ngram_max``-token suffixes)."""
 
     def __init__(self, cfg: SpeculativeConfig):
@@ -54,11 +76,69 @@ def _continue(tokens: list[int], start: int, k: int) -> list[int]:
     return out
 
 
-#: method name -> drafter factory. ``mtp`` needs the model's MTP head (not built yet).
-DRAFTERS: dict[str, Callable[[SpeculativeConfig], NgramDrafter]] = {"ngram": NgramDrafter}
+class MtpDrafter(Drafter):
+    """Drafts the MTP head made on the device in the request's previous step (greedy, chained).
+
+    Invariant: ``_drafts`` holds only running requests (``forget`` at release); the drafts
+    assume the previous step's accepted count, which the host's equals unless the request
+    stopped (and then it has no next step).
+    """
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.k = cfg.num_draft_tokens
+        self._drafts: dict[int, list[int]] = {}
+
+    def propose_for(self, req: Any, k: int) -> list[int]:
+        return self._drafts.get(req.request_id, [])[:max(k, 0)]
+
+    def observe(self, scheduled: Sequence[Any], drafts: np.ndarray) -> None:
+        """Keep row ``b``'s drafts (``drafts[b]``, int32 ``[k]``) for its request if it sampled."""
+        for b, s in enumerate(scheduled):
+            if s.drafts or s.samples:
+                self._drafts[s.req.request_id] = drafts[b].tolist()
+
+    def forget(self, request_id: int) -> None:
+        self._drafts.pop(request_id, None)
 
 
-def make_drafter(cfg: SpeculativeConfig) -> NgramDrafter:
+def mtp_inputs(scheduled: Sequence[Any], num_tokens: int, num_seqs: int,
+               num_drafts: int) -> dict[str, np.ndarray]:
+    """The host's part of ``models.mtp.mtp_draft``'s ``inputs`` for one step (packed like
+    ``build_forward_batch``): per position the next token if known here (``next_ids``), else
+    the logits row that samples it (``next_row``); the drafts of verify rows (``draft_ids``);
+    per row the position drafting starts from (``first``, -1 for rows that sample nothing)."""
+    del num_drafts  # the device reads at most that many positions from ``first``
+    next_ids = np.zeros(num_tokens, np.int32)
+    next_row = np.full(num_tokens, -1, np.int32)
+    draft_ids = np.full(num_tokens, -1, np.int32)
+    first = np.full(num_seqs, -1, np.int32)
+    pos = row = 0
+    for b, s in enumerate(scheduled):
+        toks = np.asarray(s.spec.tokens, np.int32)
+        n = len(toks)
+        if n == 0:
+            continue
+        next_ids[pos:pos + n - 1] = toks[1:]
+        if s.spec.logits == "all":  # verify: every position samples; drafts after all but last
+            next_row[pos:pos + n] = np.arange(row, row + n)
+            draft_ids[pos:pos + n - 1] = toks[1:]
+            first[b], row = pos, row + n
+        elif s.spec.logits == "last":
+            if s.samples:
+                next_row[pos + n - 1], first[b] = row, pos + n - 1
+            elif s.end < s.req.num_tokens:  # a prefill chunk: the next prompt token is known
+                next_ids[pos + n - 1] = s.req.token_ids[s.end]
+            row += 1
+        pos += n
+    return {"next_ids": next_ids, "next_row": next_row, "draft_ids": draft_ids, "first": first}
+
+
+#: method name -> drafter factory
+DRAFTERS: dict[str, Callable[[SpeculativeConfig], Drafter]] = {"ngram": NgramDrafter,
+                                                              "mtp": MtpDrafter}
+
+
+def make_drafter(cfg: SpeculativeConfig) -> Drafter:
     """The drafter for ``cfg.method``; ``ValueError`` for a method without one."""
     if cfg.method not in DRAFTERS:
         raise ValueError(f"speculative.method {cfg.method!r} has no drafter; available: "

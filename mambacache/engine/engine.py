@@ -71,12 +71,18 @@ class Engine:
 
             validate_tensor_parallel(self.model_cfg, cfg.parallel.tensor_parallel)
             self.mesh = make_mesh(cfg.parallel.tensor_parallel)
+        mtp = cfg.speculative.method == "mtp"
+        if mtp and "mtp" not in params:
+            raise ValueError("speculative.method 'mtp' needs a model with an MTP head: "
+                             f"{self.model_cfg.family} params have none (num_mtp_layers "
+                             f"{self.model_cfg.num_mtp_layers})")
         pools = PoolState.create(self.model_cfg, cfg.cache.num_pages, cfg.cache.page_size,
                                  num_state_slots(cfg), model_dtype(cfg),
-                                 sharding=self._pool_sharding())
+                                 sharding=self._pool_sharding(), extra_kv_layers=int(mtp))
         self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
                                   page_size=cfg.cache.page_size,
-                                  max_seqs=cfg.scheduler.max_running_requests)
+                                  max_seqs=cfg.scheduler.max_running_requests,
+                                  num_drafts=cfg.speculative.num_draft_tokens if mtp else 0)
         if self.mesh is not None:
             from mambacache.parallel.mesh import shard_engine
 
@@ -178,6 +184,7 @@ class Engine:
                 self._advance(s)
         t_wait = time.perf_counter()
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self._observe_drafts(scheduled)
         t_synced = time.perf_counter()
         finished = self._collect(scheduled, tokens, logprobs, t_synced)
         self._flush_slot_copies()  # ends released by finishes
@@ -215,6 +222,12 @@ class Engine:
         for j in range(emitted):
             out = self._append(req, int(tokens[j]), float(logprobs[j]), now)
         return out
+
+    def _observe_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+        """[speculative mtp] Keep the drafts the step made for each row's next step."""
+        drafts = getattr(self.runner, "last_drafts", None)
+        if drafts is not None:
+            self.scheduler.speculative.drafter.observe(scheduled, np.asarray(drafts))
 
     def _flush_slot_copies(self) -> None:
         """[speculative] Copy scratch end states into the running slots the tree adopted, before

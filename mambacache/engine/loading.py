@@ -35,7 +35,8 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
             return restore_params(cfg.model.path, make_mesh(tp) if tp > 1 else None, dtype)
         from models.loader import load_checkpoint
 
-        return load_checkpoint(cfg.model.path, dtype=dtype)
+        return load_checkpoint(cfg.model.path, dtype=dtype,
+                               mtp=cfg.speculative.method == "mtp")
     from models.params import init_params
     from models.presets import get_preset
 
@@ -47,4 +48,8 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
 
         params = {**params, "layers": jax.tree_util.tree_map(
             lambda w: w * scale if w.ndim >= 2 else w, params["layers"])}
+    if cfg.speculative.method == "mtp":  # the presets' drafter: a seeded MTP head
+        from models.mtp import with_seeded_mtp
+
+        return with_seeded_mtp(model_cfg, params, seed=cfg.model.seed)
     return model_cfg, params

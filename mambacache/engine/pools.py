@@ -55,7 +55,8 @@ class PoolState:
     @classmethod
     def create(cls, model_cfg: Any, num_pages: int, page_size: int, num_slots: int,
                dtype: Any = jnp.float32,
-               sharding: Callable[[str], Any] | None = None) -> PoolState:
+               sharding: Callable[[str], Any] | None = None,
+               extra_kv_layers: int = 0) -> PoolState:
         """Zero pools for ``model_cfg`` with ``num_pages`` usable pages and ``num_slots`` slots.
 
         ``model_cfg`` needs ``num_full_layers``, ``num_linear_layers``, ``kv_row_shape`` (a
@@ -66,11 +67,13 @@ class PoolState:
         ``sharding``: (field name, shape) -> ``jax.sharding.Sharding``
         (``parallel.pool_field_sharding``);
         each device then allocates only its shard (no whole pool on one device). ``None``: the
-        default device.
+        default device. ``extra_kv_layers``: KV layers after the model's (the MTP head's: the
+        last ``k_pages`` / ``v_pages``; ``models/mtp.py``).
         """
         c = model_cfg
         kv_shape = (num_pages + 1, page_size, *c.kv_row_shape)
-        num_v = c.num_full_layers if c.kv_arrays_per_layer == 2 else 0
+        num_kv = c.num_full_layers + extra_kv_layers
+        num_v = num_kv if c.kv_arrays_per_layer == 2 else 0
         conv_shape = (num_slots + 1, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
         ssm_shape = (num_slots + 1, c.linear_num_value_heads, c.linear_key_head_dim,
                      c.linear_value_head_dim)
@@ -80,7 +83,7 @@ class PoolState:
             return tuple(jnp.zeros(shape, dt, device=device) for _ in range(count))
 
         return cls(
-            k_pages=zeros("k_pages", kv_shape, dtype, c.num_full_layers),
+            k_pages=zeros("k_pages", kv_shape, dtype, num_kv),
             v_pages=zeros("v_pages", kv_shape, dtype, num_v),
             conv=zeros("conv", conv_shape, dtype, c.num_linear_layers),
             ssm=zeros("ssm", ssm_shape, jnp.float32, c.num_linear_layers),

@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mambacache.engine.batch import ForwardBatch, build_forward_batch
+from mambacache.engine.drafters import mtp_inputs
 from mambacache.engine.pools import PoolState
 from mambacache.engine.sampling import SamplingBatch, sample
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, logit_rows
 from models.model import forward as model_forward
+from models.mtp import mtp_draft
 from pallas_kernels import ops
 
 MIN_TOKEN_BUCKET = 16
@@ -36,22 +38,30 @@ def bucket(n: int, minimum: int) -> int:
 
 
 def _step(params: Any, pools: PoolState, future: jax.Array, batch: ForwardBatch,
-          sb: SamplingBatch, prev_index: jax.Array, *, cfg: Any, kernels: str, decode: bool,
-          mesh: Any = None):
+          sb: SamplingBatch, prev_index: jax.Array, mtp_inputs: Any = None, *, cfg: Any,
+          kernels: str, decode: bool, mesh: Any = None, num_drafts: int = 0):
     """``future`` int32 ``[F]`` (donated): the previous step's sampled tokens, logits row i at
     i; ``prev_index`` int32 ``[T]``: -1 (the token in ``batch.input_ids`` is known) or the row
-    of ``future`` that holds the token [overlap]. Returns the new ``future`` with the pools."""
+    of ``future`` that holds the token [overlap]. Returns the new ``future`` with the pools.
+    [speculative] ``num_drafts`` > 0: the MTP head drafts that many tokens per sequence for the
+    next step (``models/mtp.py``; ``mtp_inputs`` from ``drafters.mtp_inputs``), returned last."""
     known = batch.input_ids
     ids = jnp.where(prev_index >= 0, future[jnp.maximum(prev_index, 0)], known)
     batch = dataclasses.replace(batch, input_ids=ids)
-    pools, logits = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
-                                  mesh=mesh)
+    out = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
+                        mesh=mesh, return_hidden=num_drafts > 0)
+    pools, logits = out[:2]
     tokens, logprobs = sample(logits, sb)
     n = min(tokens.shape[0], future.shape[0])
-    return pools, future.at[:n].set(tokens[:n]), tokens, logprobs
+    future = future.at[:n].set(tokens[:n])
+    if not num_drafts:
+        return pools, future, tokens, logprobs
+    pools, drafts = mtp_draft(params, pools, batch, out[2], tokens, mtp_inputs, cfg=cfg,
+                              num_drafts=num_drafts, impl=ops.resolve_impl(kernels), mesh=mesh)
+    return pools, future, tokens, logprobs, drafts
 
 
-def jitted_step(cfg: Any, kernels: str, decode: bool):
+def jitted_step(cfg: Any, kernels: str, decode: bool, num_drafts: int = 0):
     """One jitted program family per (model config, kernels, decode, kernel family): engines over
     the same model share compiled programs. Pools (argument 1) are donated.
 
@@ -59,31 +69,34 @@ def jitted_step(cfg: Any, kernels: str, decode: bool):
     ``MIN_PAGE_BUCKET``), the sequence axis is always ``max_running_requests`` rounded up to a
     power of two, snapshots a power of two (at least ``MIN_SNAPSHOT_BUCKET``).
     """
-    return _jitted_step(cfg, kernels, decode, ops.kernel_family())
+    return _jitted_step(cfg, kernels, decode, ops.kernel_family(), num_drafts)
 
 
 @functools.cache
-def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str):
+def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str, num_drafts: int = 0):
     del family  # a cache key only: ``ops`` reads PALLAS_FAMILY when tracing
-    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode),
-                   donate_argnums=(1, 2))
+    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode,
+                                     num_drafts=num_drafts), donate_argnums=(1, 2))
 
 
 def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                        mesh: Any):
+                        mesh: Any, num_drafts: int = 0):
     """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel.mesh``):
     params come placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps,
     tokens and logprobs come back with ``out_sh`` (replicated). The model runs every kernel op
     per device in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
-    return _jitted_sharded_step(cfg, kernels, decode, pool_sh, out_sh, mesh, ops.kernel_family())
+    return _jitted_sharded_step(cfg, kernels, decode, pool_sh, out_sh, mesh, ops.kernel_family(),
+                                num_drafts)
 
 
 @functools.cache
 def _jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                         mesh: Any, family: str):
+                         mesh: Any, family: str, num_drafts: int = 0):
     del family  # a cache key only, as in ``_jitted_step``
-    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh),
-                   donate_argnums=(1, 2), out_shardings=(pool_sh, out_sh, out_sh, out_sh))
+    outs = (pool_sh, out_sh, out_sh, out_sh) + ((out_sh,) if num_drafts else ())
+    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh,
+                                     num_drafts=num_drafts),
+                   donate_argnums=(1, 2), out_shardings=outs)
 
 
 class ModelRunner:
@@ -93,7 +106,7 @@ class ModelRunner:
     """
 
     def __init__(self, model_cfg: Any, params: Any, pools: PoolState, *, kernels: str,
-                 page_size: int, max_seqs: int):
+                 page_size: int, max_seqs: int, num_drafts: int = 0):
         self.model_cfg = model_cfg
         self.params = params
         self.pools = pools
@@ -102,7 +115,10 @@ class ModelRunner:
         self.kernels = kernels
         # [overlap] the last step's sampled tokens, on the device; threaded like the pools
         self.future = jnp.zeros(self.max_seqs, jnp.int32)
-        self._fns = {d: jitted_step(model_cfg, kernels, d) for d in (False, True)}
+        # [speculative] MTP drafts per sequence made by each step (0: no MTP head runs)
+        self.num_drafts = num_drafts
+        self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
+        self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts) for d in (False, True)}
         self.program_keys: set[tuple] = set()
 
     # [parallel] tensor parallel: set by ``mambacache.parallel.mesh.shard_engine``
@@ -111,7 +127,8 @@ class ModelRunner:
         from mambacache.parallel.mesh import replicated
 
         self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
-                                            replicated(mesh), mesh) for d in (False, True)}
+                                            replicated(mesh), mesh, self.num_drafts)
+                     for d in (False, True)}
         self.future = jax.device_put(self.future, replicated(mesh))
 
     @property
@@ -152,13 +169,18 @@ class ModelRunner:
         shapes["num_logits"] = max(shapes["num_logits"], bucket(len(params), 1))
         if decode:
             shapes.update(num_tokens=shapes["num_seqs"], num_snapshots=MIN_SNAPSHOT_BUCKET)
-        batch = build_forward_batch(seqs, self.page_size, **shapes)
+        batch = build_forward_batch(seqs, self.page_size, all_pages=self.num_drafts > 0, **shapes)
         sb = SamplingBatch.from_params(list(params), list(steps), shapes["num_logits"])
         self.program_keys.add((decode, *sorted(shapes.items())))
         prev = future_index(seqs, shapes["num_tokens"])
-        self.pools, self.future, tokens, logprobs = self._fns[decode](
-            self.params, self.pools, self.future, batch, sb, prev)
-        for x in (tokens, logprobs):  # start the copy back now: the read finds them on the host
+        extra = ()
+        if self.num_drafts:  # [speculative] the MTP head drafts for the next step
+            extra = (mtp_inputs(scheduled, shapes["num_tokens"], shapes["num_seqs"],
+                                self.num_drafts),)
+        out = self._fns[decode](self.params, self.pools, self.future, batch, sb, prev, *extra)
+        self.pools, self.future, tokens, logprobs = out[:4]
+        self.last_drafts = out[4] if self.num_drafts else None
+        for x in out[2:]:  # start the copy back now: the read finds them on the host
             x.copy_to_host_async()
         return tokens, logprobs
 

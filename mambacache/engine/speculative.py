@@ -54,6 +54,7 @@ class SpecDecoder:
         self.adaptive = cfg.speculative.adaptive
         self._budget: dict[int, int] = {}  # request id -> drafts its next verify may propose
         self.drafter = make_drafter(cfg.speculative)
+        self.chain_room = cfg.speculative.method == "mtp"
         self.page_size = cfg.cache.page_size
         self.boundary_snapshots = cfg.cache.enable and self.page_size > 1
         self.scratch_base = cfg.cache.num_mamba_slots + 1
@@ -76,6 +77,7 @@ class SpecDecoder:
         """``req`` gives back everything (finish, abort, preemption). ``end_snapshot``: its
         running slot becomes the end state in the tree, so a scratch state is copied there."""
         self._budget.pop(req.request_id, None)
+        self.drafter.forget(req.request_id)
         if not req.scratch_slots:
             return
         if end_snapshot and req.state_slot in req.scratch_slots:
@@ -100,8 +102,10 @@ class SpecDecoder:
         can get without it)."""
         remaining = req.params.max_new_tokens - len(req.output_ids)
         budget = self._budget.get(req.request_id, self.k)
-        drafts = self.drafter.propose(req.token_ids, min(budget, remaining - 1))
+        drafts = self.drafter.propose_for(req, min(budget, remaining - 1))
         start = req.num_computed
+        if drafts and self.chain_room:  # [mtp] room for the chained drafts' K/V if free
+            sched._grow(req, start + 1 + len(drafts) + self.k - 1)
         if drafts and not sched._grow(req, start + 1 + len(drafts)):
             room = len(req.page_ids) * self.page_size - (start + 1)
             drafts = drafts[:max(room, 0)]

@@ -1,0 +1,162 @@
+"""The ``mtp`` drafter (``models/mtp.py``, ``engine/drafters.py``) on the tiny model (fp32,
+reference kernels): the tokens of ``method = "none"`` exactly, logprobs within 1e-4; the drafts
+the step makes equal a from-scratch computation (target forward over the verified tokens, the
+MTP layer over every position, the chain); a checkpoint's ``mtp.*`` tensors load.
+
+A random MTP head never agrees with a random target, which would leave acceptance untested.
+So the model here is close to a bigram model (its layers scaled by 0.3: the next token depends
+mostly on the current one) and its MTP head is built to predict that bigram's next step (the
+embedding path through ``fc`` kept, the layer's branches small but not zero): drafts are
+accepted at varying offsets, and the attention over the MTP's own paged K/V still matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mambacache as mc
+from mambacache.engine.batch import build_forward_batch
+from mambacache.engine.engine import Engine
+from mambacache.engine.loading import load_model
+from mambacache.engine.pools import PoolState
+from mambacache.engine.step_plan import SeqSpec
+from models.model import forward
+from models.mtp import accepted_counts, mtp_layer, with_seeded_mtp
+from models.presets import get_preset
+from tests.engine_helpers import BASE, assert_same_outputs
+
+K = 3
+NEW = 14
+
+
+@functools.cache
+def bigram_model():
+    """(cfg, params): the tiny model with its layers scaled by 0.3, an MTP head that predicts
+    the token after next mostly from the next one."""
+    cfg, params = load_model(mc.EngineConfig().replace(**{"model.init_branch_scale": 0.3}))
+    cfg, params = with_seeded_mtp(cfg, params, seed=5)
+    h = cfg.hidden_size
+    mtp = params["mtp"]
+    rng = np.random.default_rng(3)
+    fc = np.concatenate([np.eye(h), 0.05 * rng.normal(size=(h, h))]).astype(np.float32)
+    layer = dict(mtp["layer"])
+    layer["attn"] = {**layer["attn"], "o_proj": layer["attn"]["o_proj"] * 0.2}
+    kind = "moe" if "moe" in layer else "mlp"
+    layer[kind] = {**layer[kind], **{k: v * 0.2 for k, v in layer[kind].items()
+                                     if k in ("down", "shared_down")}}
+    mtp = {**mtp, "fc": jnp.asarray(fc), "embed_norm": params["final_norm"], "layer": layer,
+           "final_norm": jnp.zeros_like(mtp["final_norm"])}
+    return cfg, {**params, "mtp": mtp}
+
+
+def _engine(**overrides) -> Engine:
+    cfg = mc.EngineConfig().replace(**{**BASE, **overrides})
+    return Engine(cfg, model=bigram_model())
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(2)
+    shared = rng.integers(1, 500, 17).tolist()
+    return [shared + rng.integers(1, 500, 5).tolist(), shared + rng.integers(1, 500, 12).tolist(),
+            rng.integers(1, 500, 8).tolist()]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    sp = mc.SamplingParams(max_new_tokens=NEW)
+    return _engine(**{"cache.enable": False}).generate(_prompts(), sp)
+
+
+MTP = {"speculative.method": "mtp", "speculative.num_draft_tokens": K,
+       "scheduler.check_integrity_every_step": True}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"cache.page_size": 4, "scheduler.chunked_prefill_size": 13},
+    pytest.param({"cache.page_size": 1, "cache.num_kv_tokens": 60, "cache.num_mamba_slots": 3},
+                 marks=pytest.mark.slow),
+], ids=["page4-chunk13", "page1-preempt"])
+def test_same_as_none(reference, overrides):
+    eng = _engine(**MTP, **overrides)
+    outs = eng.generate(_prompts(), mc.SamplingParams(max_new_tokens=NEW))
+    assert_same_outputs(outs, reference, atol=1e-4)
+    m = eng.metrics()
+    assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"], m
+    assert m["spec_tokens_per_verify"] > 1.5, m
+    eng.check_integrity()
+
+
+def _reference_drafts(tokens: list[int], k: int) -> list[int]:
+    """Drafts to follow ``tokens`` (the last one not computed yet), from scratch: the target
+    over ``tokens[:-1]``, the MTP over every position, then the chain (fresh pools, one
+    sequence, page size 1)."""
+    cfg, params = bigram_model()
+    n = len(tokens) - 1
+    pools = PoolState.create(cfg, 64, 1, 2, extra_kv_layers=1)
+    pages = list(range(1, 64))
+
+    def batch(toks, prefix):
+        spec = SeqSpec(tokens=toks, prefix_len=prefix, page_ids=pages, read_slot=0,
+                       write_slot=1, logits="all")
+        return build_forward_batch([spec], 1)
+
+    b = batch(tokens[:-1], 0)
+    pools, _, hidden = forward(params, pools, b, cfg=cfg, kernels="reference",
+                               return_hidden=True)
+    kv = (pools.k_pages[-1], pools.v_pages[-1])
+    g, *kv = mtp_layer(cfg, params["mtp"], params["embed"], jnp.asarray(tokens[1:], jnp.int32),
+                       hidden, *kv, b, "reference", None)
+    h = g[-1:]
+    drafts = [int(jnp.argmax(h @ params["lm_head"]))]
+    for i in range(1, k):
+        b = batch([drafts[-1]], n - 1 + i)
+        h, *kv = mtp_layer(cfg, params["mtp"], params["embed"], b.input_ids, h, *kv, b,
+                           "reference", None)
+        drafts.append(int(jnp.argmax(h @ params["lm_head"])))
+    return drafts
+
+
+def test_drafts_match_from_scratch():
+    """Step by step (prefill, verify rows, a cache hit of the same prompt), each request's
+    drafts for its next step are the from-scratch ones for its verified tokens."""
+    eng = _engine(**MTP, **{"cache.page_size": 4})
+    prompt = _prompts()[0]
+    checked = 0
+    for _ in range(2):  # the second request hits the first one's prefix
+        rid = eng.add_request(prompt, mc.SamplingParams(max_new_tokens=8))
+        while eng.has_unfinished():
+            eng.step()
+            req = eng.requests.get(rid)
+            drafts = eng.scheduler.speculative.drafter._drafts.get(rid)
+            if req is None or drafts is None or req.finish_reason is not None:
+                continue
+            assert drafts == _reference_drafts(req.token_ids.tolist(), K), (rid, checked)
+            checked += 1
+    assert checked >= 4
+    assert eng.metrics()["cached_tokens"] > 0
+
+
+def test_accepted_counts():
+    """The device's accepted count: the run of agreeing drafts from ``first``, stopping at a
+    position with no draft (the row's last) or at the first disagreement."""
+    drafts = jnp.asarray([5, 6, 7, -1, 9, -1, 3, 4, -1], jnp.int32)
+    target = jnp.asarray([5, 6, 1, 2, 9, 8, 3, 4, 4], jnp.int32)
+    first = jnp.asarray([0, 4, 6, -1], jnp.int32)
+    np.testing.assert_array_equal(accepted_counts(drafts, target, first, 3), [2, 1, 2, 0])
+
+
+def test_needs_an_mtp_head():
+    cfg = mc.EngineConfig().replace(**{**BASE, **MTP})
+    from tests.engine_helpers import tiny_model
+
+    with pytest.raises(ValueError, match="MTP head"):
+        Engine(cfg, model=tiny_model())
+    with pytest.raises(ValueError, match="MTP head"):
+        with_seeded_mtp(get_preset("tiny_nemotron_h"), tiny_model()[1])
+    with pytest.raises(ValueError, match="num_mtp_layers"):
+        dataclasses.replace(tiny_model()[0], num_mtp_layers=2)
