@@ -90,6 +90,34 @@ def test_unexpected_tensor_is_named(tmp_path):
         load_checkpoint(copy_with(tmp_path, "qwen3_5", tensors))
 
 
+def test_mtp_head_loads_when_asked(tmp_path):
+    """``mtp.*`` (Qwen3-Next names) -> ``params["mtp"]``: the layer's tensors map as a full
+    attention layer's do, ``fc`` transposed; ignored without ``mtp=True``; a ``ValueError``
+    when asked for a head the checkpoint lacks."""
+    tensors = read_all(FIXTURES / "qwen3_next")
+    full = [k for k in tensors if k.startswith("model.layers.3.")]
+    for k in full:
+        tensors["mtp.layers.0." + k[len("model.layers.3."):]] = tensors[k]
+    rng = np.random.default_rng(0)
+    h = tensors["model.norm.weight"].shape[0]
+    for name, shape in (("fc.weight", (h, 2 * h)), ("pre_fc_norm_embedding.weight", (h,)),
+                        ("pre_fc_norm_hidden.weight", (h,)), ("norm.weight", (h,))):
+        tensors["mtp." + name] = rng.normal(size=shape).astype(np.float32)
+    path = copy_with(tmp_path, "qwen3_next", tensors)
+    cfg, params = load_checkpoint(path, mtp=True)
+    assert cfg.num_mtp_layers == 1
+    mtp = params["mtp"]
+    np.testing.assert_array_equal(mtp["fc"], tensors["mtp.fc.weight"].T)
+    np.testing.assert_array_equal(mtp["hidden_norm"], tensors["mtp.pre_fc_norm_hidden.weight"])
+    for kind in ("attn", "moe"):
+        for name, w in params["layers"][3][kind].items():
+            np.testing.assert_array_equal(mtp["layer"][kind][name], w)
+    plain_cfg, plain = load_checkpoint(path)
+    assert "mtp" not in plain and plain_cfg.num_mtp_layers == 0
+    with pytest.raises(ValueError, match="MTP head"):
+        load_checkpoint(FIXTURES / "qwen3_next", mtp=True)
+
+
 def test_misshaped_tensor_names_expected_shape(tmp_path):
     tensors = read_all(FIXTURES / "qwen3_next")
     key = "model.layers.3.self_attn.k_proj.weight"
