@@ -35,12 +35,14 @@ from pallas_kernels._common import interpret_default
 from pallas_kernels.gpu import causal_conv1d as _gpu_conv
 from pallas_kernels.gpu import gated_delta_rule as _gpu_gdr
 from pallas_kernels.gpu import kda as _gpu_kda
+from pallas_kernels.gpu import mla_attention as _gpu_mla
 from pallas_kernels.gpu import paged_attention as _gpu_attn
 from pallas_kernels.gpu import ssd as _gpu_ssd
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode as _gpu_gdr_decode
 from pallas_kernels.reference import causal_conv1d as _conv_ref
 from pallas_kernels.reference import gated_delta_rule as _gdr_ref
 from pallas_kernels.reference import kda as _kda_ref
+from pallas_kernels.reference import mla_attention as _mla_ref
 from pallas_kernels.reference import paged_attention as _attn_ref
 from pallas_kernels.reference import ssd as _ssd_ref
 from pallas_kernels.tpu import causal_conv1d as _conv
@@ -56,6 +58,7 @@ FAMILIES = {
                            conv_extend=_conv.causal_conv1d_extend,
                            conv_decode=_conv.causal_conv1d_decode,
                            paged_attention=_attn.paged_attention,
+                           mla_attention=_mla_ref.latent_as_kv(_attn.paged_attention),
                            kda_extend=_tpu_kda.kda_extend, kda_decode=_tpu_kda.kda_decode,
                            ssd_extend=_tpu_ssd.ssd_extend, ssd_decode=_tpu_ssd.ssd_decode),
     "gpu": SimpleNamespace(gdr_extend=_gpu_gdr.gated_delta_rule_extend,
@@ -63,6 +66,7 @@ FAMILIES = {
                            conv_extend=_gpu_conv.causal_conv1d_extend,
                            conv_decode=_gpu_conv.causal_conv1d_decode,
                            paged_attention=_gpu_attn.paged_attention,
+                           mla_attention=_gpu_mla.mla_attention,
                            kda_extend=_gpu_kda.kda_extend, kda_decode=_gpu_kda.kda_decode,
                            ssd_extend=_gpu_ssd.ssd_extend, ssd_decode=_gpu_ssd.ssd_decode),
 }
@@ -240,14 +244,15 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
     q ``[T, Hq, R + dr]`` (per head: the nope query absorbed into the latent space, ``W_uk^T
     q_nope``, then the query's rope part); latent_pages ``[N, page_size, 1, R + dr]`` holding this
     step's rows already. Returns ``[T, Hq, R]`` in q.dtype: ``softmax(scale q . row) @ latent``
-    (the caller applies ``W_uv``). Runs the paged attention kernel / reference with the latent
-    pages as both K and V (GQA with one KV head); the ``dr`` trailing output values are dropped.
+    (the caller applies ``W_uv``). Kernels: ``gpu/mla_attention.py`` (heads tiled, the latent
+    row split into column blocks); the TPU family runs its paged attention kernel with the
+    latent pages as both K and V (GQA with one KV head, ``reference.mla_attention``).
     With ``mesh``: query heads split over "tp", the latent pages replicated."""
     args = _arrays((q, latent_pages, cu_seqlens, seq_lens, page_table))
-    kernel = _kernel(impl, "paged_attention") or _attn_ref.paged_attention_reference
+    kernel = _kernel(impl, "mla_attention") or _mla_ref.mla_attention_reference
 
-    def fn(q, pages, *rest):
-        return kernel(q, pages, pages, *rest, scale=scale)[..., :kv_lora_rank]
+    def fn(*a):
+        return kernel(*a, kv_lora_rank=kv_lora_rank, scale=scale)
 
     specs = (_HEADS, _REP, _REP, _REP, _REP)
     return _on_mesh(fn, mesh, specs, _HEADS)(*args)

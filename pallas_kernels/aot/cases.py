@@ -11,7 +11,9 @@ Sizes (``SIZES``): ``tiny`` is the tiny presets' mixer shapes, ``qwen3_next`` Qw
 32 query / 2 KV heads of 256). Prefill packs ``tokens`` over ``seqs`` sequences with
 ``snaps`` snapshots; decode has ``decode_batch`` sequences. KDA (Kimi Delta Attention) uses the
 value heads and head dims of the linear attention; SSD (Mamba2) sizes at the larger geometries
-are Nemotron-H's (128 heads of 64, state 128, 8 groups).
+are Nemotron-H's (128 heads of 64, state 128, 8 groups), MLA sizes Kimi Linear's (32 query
+heads over latent rows of ``kv_lora_rank`` 512 + rope 64; tiny: ``tiny_kimi_linear``'s 4 heads,
+32 + 8).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class Sizes:
     ssd_head_dim: int = 16
     ssd_state: int = 16
     ssd_groups: int = 2
+    mla_heads: int = 4        # MLA: query heads, latent (kv_lora_rank) and rope widths of a row
+    kv_lora_rank: int = 32
+    qk_rope_dim: int = 8
 
     @property
     def conv_channels(self) -> int:
@@ -62,11 +67,13 @@ SIZES: dict[str, Sizes] = {
     "qwen3_next": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64, key_heads=16,
                         value_heads=32, head_k=128, head_v=128, conv_kernel=4, q_heads=16,
                         kv_heads=2, head_dim=256, page_size=16, max_context=4096,
-                        ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=8),
+                        ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=8,
+                        mla_heads=32, kv_lora_rank=512, qk_rope_dim=64),
     "qwen3_5": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64, key_heads=16,
                      value_heads=64, head_k=128, head_v=128, conv_kernel=4, q_heads=32,
                      kv_heads=2, head_dim=256, page_size=16, max_context=4096,
-                     ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=8),
+                     ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=8,
+                     mla_heads=32, kv_lora_rank=512, qk_rope_dim=64),
 }
 
 Builder = Callable[[Sizes, jnp.dtype], tuple[tuple, dict]]
@@ -146,6 +153,25 @@ def _paged_attention_decode(s: Sizes, dtype):
              sd((b, pages_per_seq), I32)), {"scale": s.head_dim ** -0.5})
 
 
+def _mla_inputs(s: Sizes, dtype, rows: int, seqs: int) -> tuple[tuple, dict]:
+    pages_per_seq = s.max_context // s.page_size
+    width = s.kv_lora_rank + s.qk_rope_dim
+    return ((sd((rows, s.mla_heads, width), dtype),
+             sd((seqs * pages_per_seq + 1, s.page_size, 1, width), dtype), sd((seqs + 1,), I32),
+             sd((seqs,), I32), sd((seqs, pages_per_seq), I32)),
+            {"kv_lora_rank": s.kv_lora_rank, "scale": 0.08})  # any float compiles the same
+
+
+@case("mla_attention")
+def _mla_attention(s: Sizes, dtype):
+    return _mla_inputs(s, dtype, s.tokens, s.seqs)
+
+
+@case("mla_attention_decode")
+def _mla_attention_decode(s: Sizes, dtype):
+    return _mla_inputs(s, dtype, s.decode_batch, s.decode_batch)
+
+
 def _kda_inputs(s: Sizes, dtype, rows: int) -> tuple:
     h, dk, dv = s.value_heads, s.head_k, s.head_v
     return (sd((rows, h, dk), dtype), sd((rows, h, dk), dtype), sd((rows, h, dv), dtype),
@@ -180,7 +206,8 @@ def _ssd_decode(s: Sizes, dtype):
     return _ssd_inputs(s, dtype, b) + (sd((b,), I32), sd((b,), I32)), {}
 
 
-ALIASES = {"paged_attention_decode": "paged_attention"}  # extra cases of one family kernel
+ALIASES = {"paged_attention_decode": "paged_attention",
+           "mla_attention_decode": "mla_attention"}  # extra cases of one family kernel
 
 
 def kernel_name(case_name: str) -> str:
