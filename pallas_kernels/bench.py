@@ -30,6 +30,7 @@ from pallas_kernels._common import interpret_default
 from pallas_kernels.ops import FAMILIES, kernel_family
 from pallas_kernels.reference import causal_conv1d as conv
 from pallas_kernels.reference import gated_delta_rule as gdr
+from pallas_kernels.reference import mla_attention as mla
 from pallas_kernels.reference import paged_attention as attn
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
@@ -50,9 +51,11 @@ ROOFLINES = {
 # upcast); the Triton GDR products use tf32 tensor cores, its attention bf16 operands.
 COMPUTE_DTYPE = {
     "tpu": {"gated_delta_rule_extend": "float32", "gated_delta_rule_decode": "float32",
-            "causal_conv1d_extend": "float32", "paged_attention": "float32"},
+            "causal_conv1d_extend": "float32", "paged_attention": "float32",
+            "mla_attention": "float32", "mla_attention_decode": "float32"},
     "gpu": {"gated_delta_rule_extend": "tf32", "gated_delta_rule_decode": "float32",
-            "causal_conv1d_extend": "float32", "paged_attention": "bfloat16"},
+            "causal_conv1d_extend": "float32", "paged_attention": "bfloat16",
+            "mla_attention": "bfloat16", "mla_attention_decode": "bfloat16"},
 }
 
 
@@ -145,6 +148,25 @@ def _attn_case(size):
                 flops=4 * pairs * hq * d)
 
 
+def _mla_case(size, decode: bool):
+    """Weight-absorbed MLA (Kimi Linear: 32 heads, latent 512 + rope 64) over latent pages."""
+    b, ext, prefix, hq, r, dr, ps = ((8, 512, 1536, 32, 512, 64, 16) if size == "large"
+                                     else (4, 32, 96, 4, 32, 8, 16))
+    if decode:
+        b, ext, prefix = (64 if size == "large" else 8), 1, ext + prefix - 1
+    rng = np.random.default_rng(3)
+    per = -(-(ext + prefix) // ps)
+    pages = jnp.asarray(rng.normal(size=(b * per + 1, ps, 1, r + dr)), jnp.bfloat16)
+    table = jnp.asarray(1 + np.arange(b * per).reshape(b, per), jnp.int32)
+    cu = jnp.asarray(np.arange(b + 1) * ext, jnp.int32)
+    seq_lens = jnp.full((b,), ext + prefix, jnp.int32)
+    q = jnp.asarray(rng.normal(size=(b * ext, hq, r + dr)), jnp.bfloat16)
+    pairs = b * sum(prefix + i + 1 for i in range(ext))
+    return dict(args=[q, pages, cu, seq_lens, table], rank=r,
+                bytes=b * ext * hq * (2 * r + dr) * 2 + b * (ext + prefix) * (r + dr) * 2,
+                flops=2 * pairs * hq * (2 * r + dr))
+
+
 def run(size: str, iters: int) -> list[dict]:
     family = kernel_family()
     kern = FAMILIES[family]
@@ -161,6 +183,11 @@ def run(size: str, iters: int) -> list[dict]:
             attn.paged_attention_reference, scale=0.0625), functools.partial(
             kern.paged_attention, scale=0.0625, interpret=interp)),
     }
+    for name, decode in (("mla_attention", False), ("mla_attention_decode", True)):
+        case = _mla_case(size, decode)
+        kw = dict(kv_lora_rank=case["rank"], scale=0.07)
+        ops[name] = (case, functools.partial(mla.mla_attention_reference, **kw),
+                     functools.partial(kern.mla_attention, interpret=interp, **kw))
     rows = []
     for name, (case, ref_fn, kern_fn) in ops.items():
         args = [None if a is None else jnp.asarray(a) for a in case["args"]]

@@ -27,6 +27,7 @@ from pallas_kernels.testing import paged_attention_case
 _ENV = os.environ.get("PALLAS_INTERPRET")
 INTERPRET = _ENV == "1" if _ENV in ("0", "1") else jax.default_backend() != "gpu"
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+TRITON = "__gpu$xla.gpu.triton"
 PREFILL = ([5, 0, 9], [3, 6, 0])      # extend lengths, cached prefix lengths
 DECODE = ([1, 1, 1, 1], [0, 4, 11, 2])
 SPLIT = mla.MlaBlocks(block_h=2, block_q=8, block_v=16, block_d=16, block_kv=16)
@@ -84,3 +85,16 @@ def test_gpu_mla_attention_checks_shapes_and_matches_the_op_signature():
     assert {"kv_lora_rank", "scale", "interpret"} <= set(params)
     assert mla.default_blocks(4, 4, jnp.bfloat16) == mla.BLOCKS["decode", "bf16"]
     assert mla.default_blocks(64, 4, jnp.float32) == mla.BLOCKS["prefill", "f32"]
+
+
+def test_gpu_mla_attention_lowers_for_triton_at_kimi_linear_sizes():
+    """32 heads over rows of 512 + 64 (bf16 prefill blocks: 2 value blocks) lower to Triton."""
+    sd = jax.ShapeDtypeStruct
+    t, b, pages_per_seq, width = 256, 4, 16, 512 + 64
+    f = jax.jit(lambda *a: mla.mla_attention(*a, kv_lora_rank=512, scale=0.07, interpret=False))
+    exported = jax.export.export(
+        f, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+        sd((t, 32, width), jnp.bfloat16), sd((65, 16, 1, width), jnp.bfloat16),
+        sd((b + 1,), jnp.int32), sd((b,), jnp.int32), sd((b, pages_per_seq), jnp.int32))
+    assert TRITON in exported.mlir_module()
