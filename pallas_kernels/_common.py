@@ -103,6 +103,18 @@ def chunk_layout(cu_seqlens, num_tokens: int, chunk_size: int, num_chunks: int):
     return gather, seq.astype(jnp.int32), first, chunk_off
 
 
+def chunk_spans(cu_seqlens, num_tokens: int, chunk_size: int, num_chunks: int):
+    """The chunks of ``chunk_layout`` as spans: ``(seq [NC], loc [NC], count [NC])`` int32, chunk
+    c holding the ``count`` tokens (0 for unused chunks) of sequence ``seq`` from its local
+    offset ``loc`` (packed index ``cu_seqlens[seq] + loc``)."""
+    _, seq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size, num_chunks)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    c = jnp.arange(num_chunks, dtype=jnp.int32)
+    loc = (c - chunk_off[seq]) * chunk_size
+    count = jnp.where(c < chunk_off[-1], jnp.clip(lens[seq] - loc, 0, chunk_size), 0)
+    return seq, loc.astype(jnp.int32), count.astype(jnp.int32)
+
+
 def chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot, chunk_size, num_chunks):
     """Sort the written states by chunk. Returns CSR ``(start [NC+1], row [J], slot [J])``:
     the state after ``row`` (0..BT) tokens of the chunk goes to ``slot``."""

@@ -60,6 +60,10 @@ def test_every_kernel_compiles_for_v5e_v6e_and_sm90(tmp_path):
     for r in rows:
         if r["target"] == "sm_90" and not r.get("absent"):
             assert r["kernels"] and all(k["registers"] > 0 for k in r["kernels"])
+        if r["target"] == "sm_90" and r["case"].startswith("paged_attention"):
+            # K/V gathers stay contiguous along the head dim: 16-byte loads, no spills
+            assert all(k["u16_loads"] == 0 and k["vec_loads"] > 0 and k["spills"] == 0
+                       for k in r["kernels"]), r
 
 
 @pytest.mark.aot

@@ -110,3 +110,43 @@ def test_gpu_paged_attention_lowers_for_triton(dtype, page_size, hq, hkv, d):
         _sd((t, hq, d), dtype), pages, pages, _sd((b + 1,), I32), _sd((b,), I32),
         _sd((b, 16), I32))
     assert TRITON in exported.mlir_module()
+
+
+# Decode layout (T <= B: one query per sequence, rows = heads, KV split over programs), and
+# explicit tilings: heads split over programs, KV splits on prefill chunks, a padded head dim.
+DECODE_CASES = [
+    ([1, 1, 1, 1], [0, 5, 40, 200], 4, 4, 2, 16, "float32"),      # long + short, ps 4
+    ([1, 0, 1, 1, 0], [9, 3, 300, 0, 7], 16, 8, 1, 24, "bfloat16"),  # empty seqs, D 24 -> 32
+    ([1, 1], [300, 2], 1, 6, 2, 16, "float32"),                     # few long, GQA 3, ps 1
+]
+
+
+@pytest.mark.parametrize("ext,prefix,page_size,hq,hkv,d,dtype", DECODE_CASES)
+def test_gpu_paged_attention_split_kv_decode(ext, prefix, page_size, hq, hkv, d, dtype):
+    rng = np.random.default_rng(len(ext) * 7 + d)
+    args = _case(rng, ext, prefix, page_size, hq, hkv, d, dtype,
+                 pad_tokens=len(ext) - sum(ext) - 1 if 0 in ext else 0)
+    num_tokens, num_seqs = args[0].shape[0], args[5].shape[0]
+    assert num_tokens <= num_seqs
+    tiles = attn.choose_tiles(args[0].dtype, hq // hkv, d, 8, page_size, None, True,
+                              num_tokens * hkv, args[5].shape[1] * page_size)
+    assert tiles.block_q == 1 and tiles.kv_splits > 1
+    o_ref = attn_ref.paged_attention_reference(*args, scale=d ** -0.5)
+    o = attn.paged_attention(*args, scale=d ** -0.5, interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    assert not np.any(np.asarray(o, np.float32)[int(args[3][-1]):])
+
+
+@pytest.mark.parametrize("tiles", [
+    attn.Tiles(block_q=8, heads=2, rows=16, block_kv=16, head_splits=2),  # heads split in 2
+    attn.Tiles(block_q=8, heads=4, rows=32, block_kv=16, kv_splits=3),    # split prefill KV
+    attn.Tiles(block_q=1, heads=1, rows=16, block_kv=32, head_splits=4, kv_splits=2),
+])
+def test_gpu_paged_attention_explicit_tiles(tiles):
+    rng = np.random.default_rng(11)
+    args = _case(rng, [9, 1, 20], [0, 50, 13], 4, 4, 1, 24, "float32")
+    o_ref = attn_ref.paged_attention_reference(*args, scale=0.2)
+    o = attn.attention_with_tiles(*args, scale=0.2, tiles=tiles, interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=1e-5, rtol=1e-5)
+    assert not np.any(np.asarray(o)[int(args[3][-1]):])

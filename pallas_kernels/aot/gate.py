@@ -80,7 +80,9 @@ def format_row(r: dict) -> str:
         return head + "-     (no kernel in this family)"
     if r["target"] in GPU_TARGETS:
         parts = [f"{k['kernel']}: regs {k['registers']} smem {k['shared_bytes'] // 1024}K "
-                 f"spill {k['spills']} hgmma {k['hgmma']} hmma {k['hmma']} w{k['num_warps']}"
+                 f"spill {k['spills']} hgmma {k['hgmma']} hmma {k['hmma']} "
+                 f"ld128 {k['vec_loads']} cp.async {k['cp_async']} ld16 {k['u16_loads']} "
+                 f"w{k['num_warps']}s{k['num_stages']}"
                  for k in r["kernels"]]
         return head + "ok    " + "; ".join(parts)
     bundles = "; ".join(f"{k}: {v} bundles/step" for k, v in r.get("bundles", {}).items())

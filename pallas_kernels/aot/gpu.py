@@ -5,8 +5,10 @@ on this machine; ``capture`` records each kernel's Triton IR module (and its ``n
 ``num_stages``) as it is lowered. ``triton.compile`` then takes the IR through Triton's own
 pipeline to a cubin for ``GPUTarget("cuda", 90, 32)`` (what XLA's Triton emitter does on an
 H100/H200), and the ``cuobjdump`` bundled with triton reports registers, shared memory and the
-SASS: spill instructions (``STL`` / ``LDL``: local memory) and tensor-core instructions
-(``HGMMA``: Hopper warpgroup MMA, ``HMMA``: warp MMA). A kernel needing more than 227 KB of
+SASS: spill instructions (``STL`` / ``LDL``: local memory), tensor-core instructions
+(``HGMMA``: Hopper warpgroup MMA, ``HMMA``: warp MMA) and global loads: 16-byte vector ones
+(``LDG.E.128``, ``LDGSTS...128``), ``cp.async`` ones (``LDGSTS``) and scalar 16-bit ones
+(``LDG.E.U16``: a gather Triton could not vectorise). A kernel needing more than 227 KB of
 shared memory fails the gate: it compiles but cannot launch.
 """
 
@@ -87,6 +89,9 @@ def compile_kernel(name: str, ttir: str, num_warps: int, num_stages: int) -> dic
         spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass)),
         hgmma=len(re.findall(r"\bHGMMA\.", sass)),
         hmma=len(re.findall(r"\bHMMA\.", sass)),
+        vec_loads=len(re.findall(r"\bLDG(?:STS)?(?:\.\w+)*\.128\s", sass)),
+        cp_async=len(re.findall(r"\bLDGSTS(?:\.\w+)*\s", sass)),
+        u16_loads=len(re.findall(r"\bLDG(?:\.\w+)*\.U16\s", sass)),
         sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
     )
 

@@ -5,17 +5,27 @@ oracle): token i of sequence b sits at position ``seq_lens[b] - n_b + (i - cu_se
 and attends to positions ``0..its own``; position p lives at ``page_table[b, p // page_size]``,
 row ``p % page_size``.
 
-Grid ``(NC, Hkv)``, both parallel. Program (c, h) takes query chunk c (``BQ`` tokens of one
-sequence, restarting at every sequence start) and stacks the ``G = Hq / Hkv`` query heads of
-KV head h as rows ``g * BQ + t`` (padded to a power of two >= 16, so the dots are tensor-core
-sized), gathered straight from the packed ``q``. It loops over the sequence's KV tiles of
-``BK`` positions up to its last query (``lax.fori_loop``, online softmax in fp32 registers);
-each tile row is gathered from its own page, so any ``page_size >= 1`` works and a tile may span
-pages. Head dims are padded to a power of two >= 16 with masked (zero) columns.
+Grid ``(NC, Hkv * head_splits, kv_splits)``, all parallel. Program (c, h', s) takes query chunk
+c (``block_q`` tokens of one sequence, restarting at every sequence start) and stacks ``heads``
+of the ``G = Hq / Hkv`` query heads of KV head ``h' // head_splits`` as rows ``g * block_q + t``
+(padded to a power of two >= 16, so the dots are tensor-core sized), gathered straight from the
+packed ``q``. It loops over its share of the sequence's KV tiles of ``block_kv`` positions up to
+its last query (online softmax in fp32 registers). Each tile row is gathered from its own page,
+so any ``page_size >= 1`` works and a tile may span pages; the gather offsets are per row and
+contiguous along the head dim (no per-element clamps), so Triton emits 16-byte vector loads
+and pipelines them with ``cp.async``. Head dims are padded to a power of two >= 16 with masked
+columns.
+
+Decode layout (``T <= B``, one query per sequence): ``block_q`` 1, rows = heads, and the KV
+range of each sequence is split over ``kv_splits`` programs (flash decoding): each writes its
+unnormalised fp32 partial output with its running max and denominator, and ``_combine`` (jnp)
+merges them exactly. Splits are balanced per sequence at run time (``ceil(blocks / kv_splits)``
+tiles each); splits past a short sequence's end do nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,32 +33,76 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels._common import check, chunk_layout, max_chunks
+from pallas_kernels._common import check, chunk_spans, max_chunks
 
 _F32 = jnp.float32
 _MASKED = -1e30
+TARGET_PROGRAMS = 528   # decode: split the KV range until ~4 programs per H200 SM (132 SMs)
+MIN_SPLIT_TILES = 2     # decode: each split covers at least this many KV tiles (static bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Static tiling of one call (hashable: a static argument of the jitted kernel call).
+
+    block_q: query tokens per chunk (1 in the decode layout); heads: query heads per program;
+    rows: ``heads * block_q`` rounded up to a power of two >= 16; block_kv: KV positions per
+    tile (power of two >= 16); head_splits: programs per KV head (``ceil(G / heads)``);
+    kv_splits: programs per KV range (flash decoding; 1 = no split).
+    """
+
+    block_q: int = 8
+    heads: int = 8
+    rows: int = 64
+    block_kv: int = 64
+    head_splits: int = 1
+    kv_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _load_kv(pages_ref, table_ref, seq, h, kv_pos, kv_ok, dims, num_dims):
-    """K or V tile ``[BK, DP]`` (pages dtype; 0 where masked) of positions ``kv_pos [BK]``.
+def choose_tiles(dtype, group: int, head_dim: int, block_q: int, page_size: int,
+                 pages_per_block: int | None, decode: bool, programs: int,
+                 max_kv: int) -> Tiles:
+    """Tiles that fit an H100/H200 program (255 registers, 227 KB of shared memory) without
+    spilling at head_dim 256 (measured with the compile gate, docs/kernels.md). ``programs``:
+    ``NC * Hkv`` before any split; ``max_kv``: the page table's positions (static)."""
+    padded = max(16, _pow2_at_least(head_dim))
+    exact = jnp.dtype(dtype) == jnp.float32
+    big = padded >= 256
+    bq = 1 if decode else block_q
+    max_rows = max(16, 64 * 256 // max(padded, 256))      # [rows, DP] f32 accumulator
+    heads = max(1, min(group, max_rows // bq))
+    rows = max(16, _pow2_at_least(heads * bq))
+    default_kv = (16 if big else 32) if exact else 64     # fp32 dots are FMA: small K/V tiles
+    block_kv = max(16, _pow2_at_least(pages_per_block * page_size) if pages_per_block
+                   else default_kv)
+    head_splits = -(-group // heads)
+    kv_splits = 1
+    if decode:
+        most = max(1, -(-max_kv // block_kv) // MIN_SPLIT_TILES)
+        kv_splits = max(1, min(most, -(-TARGET_PROGRAMS // (programs * head_splits))))
+    warps = 8 if big and (exact or not decode) else 4
+    stages = 3 if decode and not exact else 2
+    return Tiles(block_q=bq, heads=heads, rows=rows, block_kv=block_kv,
+                 head_splits=head_splits, kv_splits=kv_splits, num_warps=warps,
+                 num_stages=stages)
 
-    pages_ref ``[N, ps, Hkv, D]``; table_ref ``[B, P]``; dims ``[DP]`` head-dim indices.
-    """
-    page_size = pages_ref.shape[1]
-    pages_per_seq = table_ref.shape[1]
-    col = jnp.clip(kv_pos // page_size, 0, pages_per_seq - 1)
-    page = pltr.load(table_ref.at[jnp.full(col.shape, seq, jnp.int32), col])
-    shape = (kv_pos.shape[0], dims.shape[0])
-    mask = kv_ok[:, None] & (dims < num_dims)[None, :]
-    idx = (jnp.broadcast_to(page[:, None], shape),
-           jnp.broadcast_to((kv_pos % page_size)[:, None], shape),
-           jnp.full(shape, h, jnp.int32),
-           jnp.broadcast_to(jnp.minimum(dims, num_dims - 1)[None, :], shape))
-    return pltr.load(pages_ref.at[idx], mask=mask, other=0)
+
+def _gather_rows(ref, idx, ok, dims, num_dims):
+    """``ref[*idx, dims]`` ``[R, DP]`` (0 where masked). idx: per-row ``[R]`` indices of the
+    leading dims; the head dim ``dims`` is left unclamped so the addresses stay contiguous."""
+    shape = (idx[0].shape[0], dims.shape[0])
+    full = tuple(jnp.broadcast_to(i[:, None], shape) for i in idx)
+    mask = ok[:, None]
+    if dims.shape[0] > num_dims:                  # padded head dim: mask the extra columns
+        mask = mask & (dims < num_dims)[None, :]
+    return pltr.load(ref.at[full + (jnp.broadcast_to(dims[None, :], shape),)],
+                     mask=jnp.broadcast_to(mask, shape), other=0)
 
 
 def _attn_kernel(meta_ref,   # [4, NC] int32 per chunk: seq, first packed token, pos of it, count
@@ -57,49 +111,109 @@ def _attn_kernel(meta_ref,   # [4, NC] int32 per chunk: seq, first packed token,
                  q_ref,      # [T, Hq, D]
                  k_ref,      # [N, ps, Hkv, D]
                  v_ref,      # [N, ps, Hkv, D]
-                 o_ref,      # [T + RP, Hq, DP] outputs; rows >= T absorb masked rows
-                 *, scale: float, block_q: int, block_kv: int, num_rows: int, group: int):
-    c, h = pl.program_id(0), pl.program_id(1)
+                 *out_refs,  # o [T + RP, Hq, DP] (q dtype); or, split: acc [T + RP, Hq, S, DP]
+                             # f32 unnormalised, m and l [T + RP, Hq, S] f32
+                 scale: float, tiles: Tiles, group: int):
+    c, hh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h, part = hh // tiles.head_splits, hh % tiles.head_splits
     num_tokens, _, head_dim = q_ref.shape
-    dims = jnp.arange(o_ref.shape[2], dtype=jnp.int32)
+    page_size, pages_per_seq = k_ref.shape[1], table_ref.shape[1]
+    bq, bk = tiles.block_q, tiles.block_kv
+    dims = jnp.arange(out_refs[0].shape[-1], dtype=jnp.int32)
     seq, start, pos0, count = meta_ref[0, c], meta_ref[1, c], meta_ref[2, c], meta_ref[3, c]
     kv_len = lens_ref[seq]
-    row = jnp.arange(num_rows, dtype=jnp.int32)
-    g, t = row // block_q, row % block_q
-    ok = (t < count) & (g < group)
-    shape = (num_rows, dims.shape[0])
-    tok = jnp.broadcast_to(jnp.where(ok, start + t, 0)[:, None], shape)
-    head = jnp.broadcast_to((h * group + jnp.minimum(g, group - 1))[:, None], shape)
-    d_idx = jnp.broadcast_to(jnp.minimum(dims, head_dim - 1)[None, :], shape)
-    q_mask = ok[:, None] & (dims < head_dim)[None, :]
-    q = pltr.load(q_ref.at[tok, head, d_idx], mask=q_mask, other=0)
+    row = jnp.arange(tiles.rows, dtype=jnp.int32)
+    g, t = part * tiles.heads + row // bq, row % bq
+    ok = (t < count) & (row // bq < tiles.heads) & (g < group)
+    head = h * group + jnp.minimum(g, group - 1)
+    q = _gather_rows(q_ref, (jnp.where(ok, start + t, 0), head), ok, dims, head_dim)
     q_pos = pos0 + t
     exact = q_ref.dtype == jnp.float32
+    kv_h = jnp.full((bk,), h, jnp.int32)
+    seq_b = jnp.full((bk,), seq, jnp.int32)
 
     def body(kb, carry):
         m, denom, acc = carry                                 # [RP], [RP], [RP, DP] f32
-        kv_pos = kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        kv_pos = kb * bk + jnp.arange(bk, dtype=jnp.int32)
         kv_ok = kv_pos < kv_len
-        k = _load_kv(k_ref, table_ref, seq, h, kv_pos, kv_ok, dims, head_dim)
-        v = _load_kv(v_ref, table_ref, seq, h, kv_pos, kv_ok, dims, head_dim)
+        page = pltr.load(table_ref.at[seq_b, jnp.minimum(kv_pos // page_size,
+                                                         pages_per_seq - 1)])
+        idx = (page, kv_pos % page_size, kv_h)
+        k = _gather_rows(k_ref, idx, kv_ok, dims, head_dim)
+        v = _gather_rows(v_ref, idx, kv_ok, dims, head_dim)
         s = pltr.dot(q, k, trans_b=True, allow_tf32=not exact).astype(_F32) * scale
-        s = jnp.where((kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, _MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
+        live = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(live, s, _MASKED), axis=1))
+        p = jnp.where(live, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         pv = pltr.dot(p.astype(v.dtype), v, allow_tf32=not exact).astype(_F32)
         return m_new, alpha * denom + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
     last = pos0 + count                                     # positions < last are needed
-    num_blocks = jnp.where(count > 0, (last + block_kv - 1) // block_kv, 0)
-    init = (jnp.full((num_rows,), _MASKED, _F32), jnp.zeros((num_rows,), _F32),
+    num_blocks = jnp.where(count > 0, (last + bk - 1) // bk, 0)
+    per_split = (num_blocks + tiles.kv_splits - 1) // tiles.kv_splits
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, num_blocks)
+    shape = (tiles.rows, dims.shape[0])
+    init = (jnp.full((tiles.rows,), _MASKED, _F32), jnp.zeros((tiles.rows,), _F32),
             jnp.zeros(shape, _F32))
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    o = jnp.where(denom[:, None] > 0, acc / jnp.maximum(denom, 1e-30)[:, None], 0.0)
-    out_tok = jnp.broadcast_to(jnp.where(ok, start + t, num_tokens + row)[:, None], shape)
-    out_dims = jnp.broadcast_to(dims[None, :], shape)
-    pltr.store(o_ref.at[out_tok, head, out_dims], o.astype(o_ref.dtype),
-               mask=jnp.broadcast_to(ok[:, None], shape))
+    m, denom, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
+    out_tok = jnp.where(ok, start + t, num_tokens + row)
+    full = lambda a: jnp.broadcast_to(a[:, None], shape)  # noqa: E731
+    if tiles.kv_splits == 1:
+        o = jnp.where(denom[:, None] > 0, acc / jnp.maximum(denom, 1e-30)[:, None], 0.0)
+        pltr.store(out_refs[0].at[full(out_tok), full(head), jnp.broadcast_to(dims, shape)],
+                   o.astype(out_refs[0].dtype), mask=full(ok))
+        return
+    acc_ref, m_ref, l_ref = out_refs
+    s_idx = jnp.full((tiles.rows,), split, jnp.int32)
+    pltr.store(acc_ref.at[full(out_tok), full(head), full(s_idx), jnp.broadcast_to(dims, shape)],
+               acc, mask=full(ok))
+    pltr.store(m_ref.at[out_tok, head, s_idx], m, mask=ok)
+    pltr.store(l_ref.at[out_tok, head, s_idx], denom, mask=ok)
+
+
+def _combine(acc, m, denom):
+    """Merge the splits: acc ``[T, Hq, S, DP]``, m, denom ``[T, Hq, S]`` f32 -> ``[T, Hq, DP]``."""
+    top = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - top)                                   # empty splits: m = -1e30 -> 0
+    total = jnp.sum(w * denom, axis=2)
+    o = jnp.sum(w[..., None] * acc, axis=2)
+    return jnp.where(total[..., None] > 0, o / jnp.maximum(total, 1e-30)[..., None], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def attention_with_tiles(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
+                         tiles: Tiles, interpret: bool = False):
+    """``paged_attention`` with explicit ``tiles`` (the public wrapper picks them)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[2]
+    num_seqs = page_table.shape[0]
+    group = num_q_heads // num_kv_heads
+    padded_dim = max(16, _pow2_at_least(head_dim))
+    bq = tiles.block_q
+    num_chunks = max_chunks(num_tokens, bq, num_seqs)
+    cseq, loc, count = chunk_spans(cu_seqlens, num_tokens, bq, num_chunks)
+    pos0 = seq_lens[cseq] - (cu_seqlens[cseq + 1] - cu_seqlens[cseq]) + loc
+    meta = jnp.stack([cseq, cu_seqlens[cseq] + loc, pos0, count]).astype(jnp.int32)
+    kernel = functools.partial(_attn_kernel, scale=scale, tiles=tiles, group=group)
+    rows_out = num_tokens + tiles.rows
+    splits = tiles.kv_splits
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows_out, num_q_heads, padded_dim), q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((rows_out, num_q_heads, splits, padded_dim), _F32),
+                     jax.ShapeDtypeStruct((rows_out, num_q_heads, splits), _F32),
+                     jax.ShapeDtypeStruct((rows_out, num_q_heads, splits), _F32)]
+    outs = pl.pallas_call(
+        kernel, grid=(num_chunks, num_kv_heads * tiles.head_splits, splits),
+        out_shape=out_shape, interpret=interpret,
+        compiler_params=pltr.CompilerParams(num_warps=tiles.num_warps,
+                                            num_stages=tiles.num_stages),
+    )(meta, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q, k_pages, v_pages)
+    o = outs[0] if splits == 1 else _combine(*(a[:num_tokens] for a in outs))
+    valid = jnp.arange(num_tokens) < cu_seqlens[-1]
+    return jnp.where(valid[:, None, None], o[:num_tokens, :, :head_dim], 0).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block",
@@ -111,37 +225,22 @@ def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, sc
 
     q ``[T, Hq, D]``; pages ``[N, page_size, Hkv, D]``; page_table ``[B, P]`` int32. The KV
     tile is ``pages_per_block * page_size`` positions rounded up to a power of two >= 16
-    (default 64 positions). Returns ``[T, Hq, D]`` in q.dtype, 0 for padding tokens.
+    (default: ``choose_tiles``). ``T <= B`` takes the decode layout (one query per program row,
+    split KV). Returns ``[T, Hq, D]`` in q.dtype, 0 for padding tokens.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
-    num_seqs = page_table.shape[0]
+    num_seqs, pages_per_seq = page_table.shape
     check(k_pages.shape == v_pages.shape and k_pages.shape[3] == head_dim,
           f"k_pages {k_pages.shape} / v_pages {v_pages.shape} must be [N, ps, Hkv, {head_dim}]")
     check(num_q_heads % num_kv_heads == 0,
           f"query heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
     check(block_q % 8 == 0 and block_q > 0, f"block_q {block_q} must be a multiple of 8")
-    ppb = pages_per_block or max(1, 64 // page_size)
-    block_kv = max(16, _pow2_at_least(ppb * page_size))
-    group = num_q_heads // num_kv_heads
-    num_rows = max(16, _pow2_at_least(group * block_q))
-    padded_dim = max(16, _pow2_at_least(head_dim))
-    num_chunks = max_chunks(num_tokens, block_q, num_seqs)
-    _, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, block_q, num_chunks)
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    c = jnp.arange(num_chunks, dtype=jnp.int32)
-    loc = (c - chunk_off[cseq]) * block_q
-    count = jnp.where(c < chunk_off[-1], jnp.clip(lens[cseq] - loc, 0, block_q), 0)
-    pos0 = seq_lens[cseq] - lens[cseq] + loc
-    meta = jnp.stack([cseq, cu_seqlens[cseq] + loc, pos0, count]).astype(jnp.int32)
-    kernel = functools.partial(_attn_kernel, scale=scale, block_q=block_q, block_kv=block_kv,
-                               num_rows=num_rows, group=group)
-    o = pl.pallas_call(
-        kernel, grid=(num_chunks, num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct((num_tokens + num_rows, num_q_heads, padded_dim),
-                                       q.dtype),
-        interpret=interpret,
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2),
-    )(meta, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q, k_pages, v_pages)
-    valid = jnp.arange(num_tokens) < cu_seqlens[-1]
-    return jnp.where(valid[:, None, None], o[:num_tokens, :, :head_dim], 0).astype(q.dtype)
+    decode = num_tokens <= num_seqs
+    bq = 1 if decode else block_q
+    tiles = choose_tiles(q.dtype, num_q_heads // num_kv_heads, head_dim, block_q, page_size,
+                         pages_per_block, decode,
+                         max_chunks(num_tokens, bq, num_seqs) * num_kv_heads,
+                         pages_per_seq * page_size)
+    return attention_with_tiles(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table,
+                                scale=scale, tiles=tiles, interpret=interpret)
