@@ -5,8 +5,9 @@ overrides). Cases: prefill chunks with and without a cached prefix, an empty seq
 page sizes 1 and 4; NaN in every page row past a sequence's length; latent rows that are powers
 of two (R 32, dr 16: the unmasked paths, split into several score dots and value blocks) and
 that are not (R 24, dr 8: masked columns); head counts that the head block does and does not
-divide. Tolerances: fp32 1e-5 (online vs one-pass softmax, exact fp32 dots); bf16 2e-2 (bf16
-output ulp, probabilities rounded to bf16 before the value dot).
+divide; key splits (flash-decoding) merged, empty ones included. Tolerances: fp32 1e-5 (online
+vs one-pass softmax, exact fp32 dots); bf16 2e-2 (bf16 output ulp, probabilities rounded to
+bf16 before the value dot).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def _case(ext, prefix, page_size, hq, rank, rope, dtype, seed=0):
 CASES = [
     (PREFILL, 4, 4, 24, 8, "float32", None),       # 2 head blocks, masked columns
     (PREFILL, 1, 5, 32, 16, "bfloat16", SPLIT),    # head tail, 2 value blocks, 2 score dots
-    (DECODE, 1, 6, 32, 16, "float32", mla.MlaBlocks(block_h=4, block_kv=16)),  # head tail
-    (DECODE, 4, 4, 24, 8, "bfloat16", None),
+    (DECODE, 1, 6, 32, 16, "float32", mla.MlaBlocks(block_h=4, block_kv=16, kv_splits=3)),
+    (DECODE, 4, 4, 24, 8, "bfloat16", None),       # default: 16 key splits, most of them empty
 ]
 
 
@@ -83,8 +84,10 @@ def test_gpu_mla_attention_checks_shapes_and_matches_the_op_signature():
     params = inspect.signature(mla.mla_attention).parameters
     assert list(params)[:5] == list(inspect.signature(ops.mla_attention).parameters)[:5]
     assert {"kv_lora_rank", "scale", "interpret"} <= set(params)
-    assert mla.default_blocks(4, 4, jnp.bfloat16) == mla.BLOCKS["decode", "bf16"]
-    assert mla.default_blocks(64, 4, jnp.float32) == mla.BLOCKS["prefill", "f32"]
+    assert mla.default_blocks(64, 4, 32, jnp.float32) == mla.BLOCKS["prefill", "f32"]
+    decode = mla.default_blocks(64, 64, 32, jnp.bfloat16)  # 64 x 2 head blocks: one wave
+    assert decode == mla.BLOCKS["decode", "bf16"] and decode.kv_splits == 1
+    assert mla.default_blocks(4, 4, 32, jnp.bfloat16).kv_splits == 132 // 8
 
 
 def test_gpu_mla_attention_lowers_for_triton_at_kimi_linear_sizes():

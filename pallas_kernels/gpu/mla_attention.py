@@ -48,7 +48,9 @@ _EXACT = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 @dataclasses.dataclass(frozen=True)
 class MlaBlocks:
     """Tile sizes. ``block_v`` / ``block_d``: latent columns per value block / per score dot
-    (clipped to R rounded up to a power of two); ``block_kv``: key positions per tile."""
+    (clipped to R rounded up to a power of two); ``block_kv``: key positions per tile;
+    ``kv_splits``: programs sharing one row block's key tiles (flash-decoding: each writes its
+    normalised partial output and log-sum-exp, merged after the kernel)."""
 
     block_h: int = 16
     block_q: int = 1
@@ -57,6 +59,7 @@ class MlaBlocks:
     block_kv: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    kv_splits: int = 1
 
 
 # Defaults per (phase, operand dtype), chosen on the sm_90 compile at Kimi Linear sizes (32
@@ -72,6 +75,10 @@ BLOCKS = {
     ("decode", "f32"): MlaBlocks(block_d=64, block_kv=16, num_warps=8),
     ("prefill", "f32"): MlaBlocks(block_h=2, block_q=8, block_d=64, block_kv=16, num_warps=8),
 }
+
+
+PROGRAMS = 132   # H100 / H200 SMs: enough programs for one wave
+MAX_SPLITS = 16  # partial outputs are f32 [S, B, Hq, R]: keep them small next to the pages
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -137,10 +144,12 @@ def _mla_kernel(meta_ref,   # [4, NC] i32 per chunk: seq, first packed token, it
                 table_ref,  # [B, P] i32 page table
                 q_ref,      # [T, Hq, R + dr] absorbed queries | rope queries
                 lat_ref,    # [N, ps, 1, R + dr] latent rows
-                o_ref,      # [T + rows, Hq, W] out; rows >= T, columns >= R absorb masks
-                *, scale: float, rank: int, blocks: MlaBlocks, rows: int, bd: int, bv: int,
+                *outs,      # o [T + rows, Hq, W] (rows >= T, columns >= R absorb masks), or
+                            # with key splits o [S, T + rows, Hq, W] f32 and lse [S, T + rows, Hq]
+                scale: float, rank: int, blocks: MlaBlocks, rows: int, bd: int, bv: int,
                 rope: int):
-    c, hb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    c, hb = pl.program_id(0), pl.program_id(1)
+    vb, part = pl.program_id(2) // blocks.kv_splits, pl.program_id(2) % blocks.kv_splits
     num_tokens, num_heads, width = q_ref.shape
     seq, start, pos0, count = meta_ref[0, c], meta_ref[1, c], meta_ref[2, c], meta_ref[3, c]
     row = jnp.arange(rows, dtype=jnp.int32)
@@ -160,15 +169,27 @@ def _mla_kernel(meta_ref,   # [4, NC] i32 per chunk: seq, first packed token, it
     init = (jnp.full((rows,), _MASKED, _F32), jnp.zeros((rows,), _F32),
             tuple(jnp.zeros((rows, w), _F32) for w in widths))
     num_blocks = jnp.where(count > 0, (pos0 + count + blocks.block_kv - 1) // blocks.block_kv, 0)
-    _, denom, accs = jax.lax.fori_loop(0, num_blocks, step, init)
+    per_split = (num_blocks + blocks.kv_splits - 1) // blocks.kv_splits
+    lo = part * per_split
+    m, denom, accs = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, num_blocks), step, init)
     inv = jnp.where(denom > 0, 1.0 / jnp.maximum(denom, 1e-30), 0.0)[:, None]
     out_tok = jnp.where(ok, tok, num_tokens + row)
+    lead = (out_tok, head) if len(outs) == 1 else (jnp.full_like(row, part), out_tok, head)
     for j, (acc, w) in enumerate(zip(accs, widths, strict=True)):
         shape = (rows, w)
-        idx = (jnp.broadcast_to(out_tok[:, None], shape), jnp.broadcast_to(head[:, None], shape),
-               jnp.broadcast_to(vb * bv + j * w + jnp.arange(w, dtype=jnp.int32)[None, :], shape))
-        pltr.store(o_ref.at[idx], (acc * inv).astype(o_ref.dtype),
+        idx = tuple(jnp.broadcast_to(i[:, None], shape) for i in lead)
+        cols = jnp.broadcast_to(vb * bv + j * w + jnp.arange(w, dtype=jnp.int32)[None, :], shape)
+        pltr.store(outs[0].at[idx + (cols,)], (acc * inv).astype(outs[0].dtype),
                    mask=jnp.broadcast_to(ok[:, None], shape))
+    if len(outs) == 2:  # every value block stores the same log-sum-exp
+        lse = jnp.where(denom > 0, m + jnp.log(jnp.maximum(denom, 1e-30)), _MASKED)
+        pltr.store(outs[1].at[lead], lse, mask=ok)
+
+
+def _merge_splits(o, lse):
+    """Flash-decoding merge: o ``[S, T, Hq, R]`` f32 partial outputs, lse ``[S, T, Hq]``."""
+    w = jnp.exp(lse - jnp.max(lse, axis=0))
+    return jnp.sum(w[..., None] * o, axis=0) / jnp.sum(w, axis=0)[..., None]
 
 
 def _chunk_meta(cu_seqlens, seq_lens, num_tokens: int, block_q: int, num_chunks: int):
@@ -182,11 +203,16 @@ def _chunk_meta(cu_seqlens, seq_lens, num_tokens: int, block_q: int, num_chunks:
     return jnp.stack([cseq, cu_seqlens[cseq] + loc, pos0, count]).astype(jnp.int32)
 
 
-def default_blocks(num_tokens: int, num_seqs: int, dtype) -> MlaBlocks:
+def default_blocks(num_tokens: int, num_seqs: int, num_heads: int, dtype) -> MlaBlocks:
     """``BLOCKS`` of a decode step (no more tokens than sequences) or a prefill, for fp32 or
-    16-bit pools; any blocks are correct for any layout, this is only the faster guess."""
+    16-bit pools; a decode step of few sequences splits the keys until about ``PROGRAMS``
+    programs run. Any blocks are correct for any layout: this is only the faster guess."""
     phase = "decode" if num_tokens <= num_seqs else "prefill"
-    return BLOCKS[phase, "f32" if jnp.dtype(dtype) == jnp.float32 else "bf16"]
+    blocks = BLOCKS[phase, "f32" if jnp.dtype(dtype) == jnp.float32 else "bf16"]
+    if phase == "prefill":
+        return blocks
+    programs = max(num_seqs, 1) * pl.cdiv(num_heads, blocks.block_h)
+    return dataclasses.replace(blocks, kv_splits=max(1, min(MAX_SPLITS, PROGRAMS // programs)))
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "blocks", "interpret"))
@@ -198,18 +224,19 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
     q ``[T, Hq, R + dr]`` (per head ``W_uk^T q_nope | q_rope``); latent_pages ``[N, ps, 1,
     R + dr]`` holding this step's rows; page_table ``[B, P]`` int32. Returns ``[T, Hq, R]`` in
     q.dtype (``softmax(scale q . row) @ c``), 0 for padding tokens. ``blocks`` defaults to
-    ``default_blocks(T, B, latent_pages.dtype)``.
+    ``default_blocks(T, B, Hq, latent_pages.dtype)``.
     """
     num_tokens, num_heads, width = q.shape
     num_seqs = page_table.shape[0]
     check_latent(q, latent_pages, kv_lora_rank)
-    blocks = blocks or default_blocks(num_tokens, num_seqs, latent_pages.dtype)
+    blocks = blocks or default_blocks(num_tokens, num_seqs, num_heads, latent_pages.dtype)
     rank_p = _pow2_at_least_16(kv_lora_rank)
     bd, bv = min(blocks.block_d, rank_p), min(blocks.block_v, rank_p)
     for name, b in (("block_d", bd), ("block_v", bv), ("block_kv", blocks.block_kv)):
         check(b >= 16 and b & (b - 1) == 0, f"{name} {b} must be a power of two >= 16")
-    check(blocks.block_h > 0 and blocks.block_q > 0,
-          f"block_h {blocks.block_h} and block_q {blocks.block_q} must be positive")
+    check(min(blocks.block_h, blocks.block_q, blocks.kv_splits) > 0,
+          f"block_h {blocks.block_h}, block_q {blocks.block_q} and kv_splits "
+          f"{blocks.kv_splits} must be positive")
     rows = _pow2_at_least_16(blocks.block_h * blocks.block_q)
     num_chunks = max_chunks(num_tokens, blocks.block_q, num_seqs)
     meta = _chunk_meta(cu_seqlens, seq_lens, num_tokens, blocks.block_q, num_chunks)
@@ -218,13 +245,19 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
                                rope=_pow2_at_least_16(width - kv_lora_rank))
     num_vblocks = pl.cdiv(kv_lora_rank, bv)
     out_width = num_vblocks * bv if bv < kv_lora_rank else pl.cdiv(kv_lora_rank, bd) * bd
-    grid = (num_chunks, pl.cdiv(num_heads, blocks.block_h), num_vblocks)
-    o = pl.pallas_call(
-        kernel, grid=grid,
-        out_shape=jax.ShapeDtypeStruct((num_tokens + rows, num_heads, out_width), q.dtype),
-        interpret=interpret,
+    grid = (num_chunks, pl.cdiv(num_heads, blocks.block_h), num_vblocks * blocks.kv_splits)
+    splits, lead = blocks.kv_splits, (num_tokens + rows, num_heads)
+    out_shape = (jax.ShapeDtypeStruct(lead + (out_width,), q.dtype) if splits == 1 else
+                 (jax.ShapeDtypeStruct((splits,) + lead + (out_width,), _F32),
+                  jax.ShapeDtypeStruct((splits,) + lead, _F32)))
+    out = pl.pallas_call(
+        kernel, grid=grid, out_shape=out_shape, interpret=interpret,
         compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
                                             num_stages=blocks.num_stages),
     )(meta, seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q, latent_pages)
+    if splits == 1:
+        o = out[:num_tokens, :, :kv_lora_rank]
+    else:
+        o = _merge_splits(out[0][:, :num_tokens, :, :kv_lora_rank], out[1][:, :num_tokens])
     valid = jnp.arange(num_tokens) < cu_seqlens[-1]
-    return jnp.where(valid[:, None, None], o[:num_tokens, :, :kv_lora_rank], 0).astype(q.dtype)
+    return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)
