@@ -29,9 +29,9 @@ _ENV = os.environ.get("PALLAS_INTERPRET")
 INTERPRET = _ENV == "1" if _ENV in ("0", "1") else jax.default_backend() != "gpu"
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 TRITON = "__gpu$xla.gpu.triton"
-PREFILL = ([5, 0, 9], [3, 6, 0])      # extend lengths, cached prefix lengths
+PREFILL = ([5, 0, 20], [3, 6, 0])     # extend lengths, cached prefix lengths (20: 2 key tiles)
 DECODE = ([1, 1, 1, 1], [0, 4, 11, 2])
-SPLIT = mla.MlaBlocks(block_h=2, block_q=8, block_v=16, block_d=16, block_kv=16)
+SPLIT = mla.MlaBlocks(block_h=2, block_q=8, block_v=16, block_d=16, block_kv=16, kv_splits=2)
 
 
 def _case(ext, prefix, page_size, hq, rank, rope, dtype, seed=0):
@@ -53,7 +53,7 @@ def _case(ext, prefix, page_size, hq, rank, rope, dtype, seed=0):
 # (ext, prefix), page_size, hq, rank, rope, dtype, blocks (None: the wrapper's default)
 CASES = [
     (PREFILL, 4, 4, 24, 8, "float32", None),       # 2 head blocks, masked columns
-    (PREFILL, 1, 5, 32, 16, "bfloat16", SPLIT),    # head tail, 2 value blocks, 2 score dots
+    (PREFILL, 1, 5, 32, 16, "bfloat16", SPLIT),    # head tail, 2 value blocks, 2 splits
     (DECODE, 1, 6, 32, 16, "float32", mla.MlaBlocks(block_h=4, block_kv=16, kv_splits=3)),
     (DECODE, 4, 4, 24, 8, "bfloat16", None),       # default: 16 key splits, most of them empty
 ]
