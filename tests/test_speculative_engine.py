@@ -225,6 +225,15 @@ for tp in (1, 2):
                       accepted=engine.metrics()["spec_accepted_tokens"],
                       ssm_sharding=str(getattr(engine.runner.pools.ssm[0].sharding, "spec", "")))
     engine.check_integrity()
+from models.mtp import with_seeded_mtp
+mtp_model = with_seeded_mtp(model_cfg, params, seed=4)
+for tp in (1, 2):  # the MTP drafter's sharded step (its KV layer, drafts over a split vocab)
+    cfg = mc.EngineConfig().replace(**{**base, "parallel.tensor_parallel": tp,
+                                       "speculative.method": "mtp"})
+    engine = Engine(cfg, model=mtp_model)
+    outs = engine.generate(prompts, sp)
+    result[f"mtp{tp}"] = dict(tokens=[o.output_token_ids for o in outs],
+                              drafts=engine.metrics()["spec_draft_tokens"])
 print(json.dumps(result))
 """
 
@@ -243,3 +252,5 @@ def test_tensor_parallel():
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
     assert one["cached"] == two["cached"] == 9 + 10 - 1
     assert "tp" in two["ssm_sharding"], two["ssm_sharding"]
+    assert res["mtp1"]["tokens"] == res["mtp2"]["tokens"] == res["ref"]
+    assert res["mtp1"]["drafts"] > 0 and res["mtp2"]["drafts"] > 0
