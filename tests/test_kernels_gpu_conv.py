@@ -128,6 +128,10 @@ def test_gpu_conv_same_signatures_and_checks_as_tpu():
         conv.causal_conv1d_extend(x, w[:, :4], bias, jnp.asarray(pool), *slots)
     with pytest.raises(ValueError, match="chunk_size 12"):
         conv.causal_conv1d_extend(x, w, bias, jnp.asarray(pool), *slots, chunk_size=12)
+    wide = jnp.zeros((10, 8), jnp.float32)   # K - 1 = 9 > chunk_size 8
+    with pytest.raises(ValueError, match="must be <= chunk_size 8"):
+        conv.causal_conv1d_extend(x, wide, bias, jnp.zeros((pool.shape[0], 9, 8)), *slots,
+                                  chunk_size=8)
 
 
 def _sd(shape, dtype=jnp.float32):
@@ -153,3 +157,33 @@ def test_gpu_conv_kernels_lower_for_triton(dtype, channels):
     f = functools.partial(conv.causal_conv1d_decode, interpret=False)
     _export_cuda(f, _sd((b, channels), dtype), _sd((kw, channels), dtype), None,
                  _sd((n, kw - 1, channels), dtype), _sd((b,), I32), _sd((b,), I32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_conv_writes_its_own_read_slot(dtype):
+    """The kernels read initial windows in place from the pool: a sequence whose write slot is
+    its read slot (the usual case) still gets every window from the old initial window,
+    including snapshots at offsets < K - 1 written after its final window, and an empty
+    sequence's copies."""
+    rng = np.random.default_rng(5)
+    lens = [2, 19, 0, 1]
+    snaps = [(0, 1), (1, 0), (1, 2), (1, 17), (2, 0), (3, 0)]
+    case = ragged_case(rng, lens, num_tokens=24, num_seqs=4, snapshots=snaps)
+    case = dataclasses.replace(case, read_slot=case.write_slot.copy())   # fresh, distinct
+    x, w, bias, pool = _inputs(rng, case, 4, 32, dtype, True)
+    slots = [jnp.asarray(a) for a in slot_args(case)]
+    y_ref, pool_ref = conv_ref.causal_conv1d_extend_reference(
+        x, w, bias, jnp.asarray(pool, dtype), *slots)
+    y, new_pool = conv.causal_conv1d_extend(x, w, bias, jnp.asarray(pool, dtype), *slots,
+                                            chunk_size=8, interpret=INTERPRET)
+    _assert_close(y, y_ref, dtype)
+    np.testing.assert_array_equal(np.asarray(new_pool, np.float32),
+                                  np.asarray(pool_ref, np.float32))
+    same = (jnp.asarray(case.write_slot), jnp.asarray(case.write_slot))
+    y_ref, pool_ref = conv_ref.causal_conv1d_decode_reference(
+        x[:4], w, bias, jnp.asarray(pool, dtype), *same)
+    y, new_pool = conv.causal_conv1d_decode(x[:4], w, bias, jnp.asarray(pool, dtype), *same,
+                                            interpret=INTERPRET)
+    _assert_close(y, y_ref, dtype)
+    np.testing.assert_array_equal(np.asarray(new_pool, np.float32),
+                                  np.asarray(pool_ref, np.float32))
