@@ -43,7 +43,8 @@ def plan_snapshots(prompt_len: int, cached_len: int, branch_len: int, page_size:
     if checkpoint_interval:
         step = checkpoint_interval
         first = (cached_len // step + 1) * step
-        cands.update(_floor(p, page_size) for p in range(first, prompt_len, step))
+        if first < prompt_len:  # usually none past a long cached prefix: skip the generator
+            cands.update(_floor(p, page_size) for p in range(first, prompt_len, step))
     out = [p for p in cands if cached_len < p < prompt_len]
     out.sort()
     return out

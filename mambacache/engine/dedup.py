@@ -34,14 +34,16 @@ def shared_with_waiting(sched: Any, req: Any, cached_len: int) -> set[int]:
     ps = sched.page_size
     tokens = req.token_ids
     out: set[int] = set()
-    if len(tokens) <= cached_len + ps:
+    head_len = cached_len + ps
+    if len(tokens) <= head_len:
         return out
     # cheap filter first (one C-level compare per waiting request): sharing more than
     # cached_len needs the first cached_len + page_size tokens in common
-    head = tokens[:cached_len + ps].tobytes()
-    for other in itertools.islice(sched.waiting, DEDUP_WINDOW):
-        if not other.prompt_bytes.startswith(head) or other.extra_key != req.extra_key:
-            continue
+    head = req.prompt_bytes[:4 * head_len] if head_len <= req.prompt_len \
+        else tokens[:head_len].tobytes()
+    key = req.extra_key
+    for other in [o for o in itertools.islice(sched.waiting, DEDUP_WINDOW)
+                  if o.prompt_bytes.startswith(head) and o.extra_key == key]:
         theirs = other.prompt
         common = min(_common_prefix(tokens, theirs), len(theirs) - 1) // ps * ps
         if cached_len < common < len(tokens):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import time
 from typing import Any
 
@@ -39,12 +38,32 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class _TokenList:
+    """A ``list[int]`` dataclass field kept as given and made a list on first read: the engine
+    hands over its ``int32`` prompt array, and ``tolist()`` (~5 us for 576 tokens, more than the
+    rest of a cache hit's finish) is paid only by a caller that reads the field."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> list[int]:
+        if obj is None:  # no class-level default: the dataclass field stays required
+            raise AttributeError(self.attr)
+        value = obj.__dict__[self.attr]
+        if type(value) is not list:
+            value = obj.__dict__[self.attr] = np.asarray(value).tolist()
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.attr] = value
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """What ``Engine.generate`` returns per request."""
 
     request_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] = _TokenList()  # type: ignore[assignment]
     output_token_ids: list[int]
     output_logprobs: list[float]
     cached_tokens: int
@@ -53,6 +72,17 @@ class RequestOutput:
     ttft_s: float | None = None
     latency_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
+
+
+class _PromptBytes:
+    """``Request.prompt_bytes``: computed on first read, then a plain instance attribute (like
+    ``functools.cached_property``, without its lock: ~0.7 us less per request on Python 3.11)."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__["prompt_bytes"] = obj.prompt.tobytes()
+        return value
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,15 +118,17 @@ class Request:
     first_token_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
+    # (cached_page_ids, own_page_ids, their concatenation): ``page_ids`` of the last call; the
+    # page arrays are never written in place, only reassigned, so identity says it is current
+    _page_ids_memo: tuple | None = dataclasses.field(default=None, repr=False)
 
-    @functools.cached_property
-    def prompt_bytes(self) -> bytes:
-        """The prompt's int32 bytes (prefix comparisons by slicing, without numpy calls)."""
-        return self.prompt.tobytes()
+    #: the prompt's int32 bytes (prefix comparisons by slicing, without numpy calls)
+    prompt_bytes = _PromptBytes()
+
 
     @property
     def prompt_len(self) -> int:
-        return int(self.prompt.shape[0])
+        return len(self.prompt)
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -122,14 +154,24 @@ class Request:
 
     @property
     def page_ids(self) -> np.ndarray:
-        if not len(self.cached_page_ids):
-            return self.own_page_ids
-        return np.concatenate([self.cached_page_ids, self.own_page_ids])
+        """``cached_page_ids + own_page_ids`` (int32; read only: it may be either part itself or
+        the concatenation kept from the last call while neither part was reassigned)."""
+        cached, own = self.cached_page_ids, self.own_page_ids
+        if not len(cached):
+            return own
+        if not len(own):
+            return cached
+        memo = self._page_ids_memo
+        if memo is not None and memo[0] is cached and memo[1] is own:
+            return memo[2]
+        joined = np.concatenate([cached, own])
+        self._page_ids_memo = (cached, own, joined)
+        return joined
 
     def to_output(self) -> RequestOutput:
         now = time.perf_counter()
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.prompt.tolist(),
+            request_id=self.request_id, prompt_token_ids=self.prompt,  # a list when read
             output_token_ids=list(self.output_ids), output_logprobs=list(self.output_logprobs),
             cached_tokens=self.cached_tokens, finish_reason=self.finish_reason or "abort",
             error=self.error,

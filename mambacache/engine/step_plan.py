@@ -100,8 +100,11 @@ def logit_rows(scheduled: Sequence[ScheduledSeq]) -> tuple[list[Any], list[int]]
 
 def first_logit_row(scheduled: Sequence[ScheduledSeq]) -> list[int]:
     """Index of each row's first logits row (``logit_rows``' order)."""
-    counts = [len(s.spec.tokens) if s.spec.logits == "all" else 1 for s in scheduled]
-    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    out, row = [], 0  # plain ints: numpy costs more than it saves for a step's few rows
+    for s in scheduled:
+        out.append(row)
+        row += len(s.spec.tokens) if s.spec.logits == "all" else 1
+    return out
 
 
 def is_decode_step(seqs: Sequence[SeqSpec]) -> bool:
