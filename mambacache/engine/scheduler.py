@@ -2,9 +2,10 @@
 
 One step mixes decode tokens (every running request past its prefill) with prefill chunks
 (``chunked_prefill_size`` tokens in all). Per request, in order:
-  1. admit: match the prefix, lock the matched node, then (with the lock counted) check that the
-     prompt's pages and one running slot are there; plan snapshots, including the positions where
-     waiting requests share an uncached prefix with it (in-batch dedup);
+  1. admit (``admission.py``): match the prefix, lock the matched node, then (with the lock
+     counted) check that the prompt's pages and one running slot are there; plan snapshots,
+     including the positions where waiting requests share an uncached prefix with it (in-batch
+     dedup, ``dedup.py``);
   2. run chunks; the first reads the cached state (``read_slot``), every chunk writes the
      running slot; planned snapshots are taken inside the chunk that covers their position and
      published to the tree before the next step's admissions (or by the finish, if that comes
@@ -27,10 +28,8 @@ import collections
 import numpy as np
 from absl import logging
 
-from mambacache.cache.node import MatchResult
-from mambacache.cache.snapshot_plan import assign_snapshot_slots, plan_snapshots
 from mambacache.config import EngineConfig
-from mambacache.engine.dedup import inflight_branch, shared_with_waiting
+from mambacache.engine.admission import NO_PAGES, admit
 from mambacache.engine.request import Request, Status
 from mambacache.engine.speculative import SpecDecoder
 from mambacache.engine.step_checks import check_step
@@ -54,50 +53,6 @@ class Scheduler:
         self._to_publish: list[Request] = []  # prefills whose last step wrote snapshots
         # [speculative] verify rows instead of decodes when a drafter proposes tokens
         self.speculative = SpecDecoder(cfg) if cfg.speculative.enabled else None
-
-    # ---- admission -------------------------------------------------------------------------
-    def _admit(self, req: Request) -> str:
-        """Try to start ``req``: "ok", "defer" (dedup: wait for a running prefill) or "full"
-        (back-pressure). Nothing is held unless "ok"."""
-        m = self.cache.match_prefix(req.token_ids, extra_key=req.extra_key)
-        branch_len = inflight_branch(self, req, m.cached_len, m.branch_len)
-        if branch_len is None:
-            return "defer"
-        verdict = self._start(req, m, branch_len)
-        if verdict == "full" and not self.running and m.cached_len > 0:
-            # Nothing running will free anything: what is short is what the match would lock
-            # (its state slot or pages). Start from scratch; the tree may evict it.
-            verdict = self._start(req, _empty_match(m), branch_len)
-        return verdict
-
-    def _start(self, req: Request, m: MatchResult, branch_len: int) -> str:
-        tokens = req.token_ids
-        need_pages = -(-len(tokens) // self.page_size) - m.cached_len // self.page_size
-        self.cache.lock(m.node)  # locked first, so what it pins no longer counts as evictable
-        slots = None
-        if self.cache.available_pages() >= need_pages:
-            slots = self.cache.alloc_slots(1)
-        if slots is None:
-            self.cache.unlock(m.node)
-            return "full"
-        req.match_node, req.read_slot, req.running_slot = m.node, m.read_slot, int(slots[0])
-        req.cached_page_ids = np.asarray(m.page_ids, np.int32)
-        req.own_page_ids = np.zeros(0, np.int32)
-        req.num_computed = m.cached_len
-        if req.num_preemptions == 0:
-            req.cached_tokens = m.cached_len
-        req.prefilled = False
-        if self.cfg.cache.enable:
-            positions = plan_snapshots(len(tokens), m.cached_len, branch_len, self.page_size,
-                                       self.cfg.cache.checkpoint_interval)
-            shared = shared_with_waiting(self, req, m.cached_len)
-            positions = sorted(set(positions) | shared) if shared else positions
-            req.pending_snapshots = assign_snapshot_slots(self.cache, positions, branch_len,
-                                                          len(tokens), self.page_size)
-        req.status = Status.RUNNING
-        req.state_valid = False
-        self.running.append(req)
-        return "ok"
 
     # ---- pages -----------------------------------------------------------------------------
     def _grow(self, req: Request, end: int) -> bool:
@@ -170,7 +125,7 @@ class Scheduler:
             if req.num_pending:  # [overlap] preempted with a token in flight: wait for it
                 self.waiting.appendleft(req)
                 break
-            verdict = self._admit(req)
+            verdict = admit(self, req)
             if verdict == "defer":
                 deferred.append(req)
                 continue
@@ -293,7 +248,7 @@ class Scheduler:
             self.cache.free_slots(np.asarray(list(snaps.values()), np.int32))
         self.cache.unlock(req.match_node)
         req.match_node, req.running_slot, req.read_slot, req.state_slot = None, None, None, None
-        req.own_page_ids = req.cached_page_ids = np.zeros(0, np.int32)
+        req.own_page_ids = req.cached_page_ids = NO_PAGES
         req.state_valid = req.prefilled = False
         self.running.remove(req)
 
@@ -343,9 +298,3 @@ class Scheduler:
         """Raise if this step breaks an invariant of the module docstring."""
         check_step(self.cache, scheduled, self.page_size)
 
-
-def _empty_match(m: MatchResult) -> MatchResult:
-    root = m.node
-    while root.parent is not None:
-        root = root.parent
-    return MatchResult(0, m.page_ids[:0], None, root, 0)
