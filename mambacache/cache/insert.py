@@ -37,7 +37,7 @@ class TreeInsert:
         ps = self.page_size
         tokens, pages = as_tokens(token_ids), as_tokens(page_ids)  # 0. validate
         whole = len(tokens) // ps * ps
-        if pages.shape != (-(-len(tokens) // ps),):
+        if len(pages) != -(-len(tokens) // ps):  # both 1-D (as_tokens)
             raise ValueError(f"insert: {len(tokens)} tokens need {-(-len(tokens) // ps)} pages of "
                              f"{ps}, got page_ids of shape {pages.shape}")
         if self._tuner is not None and extra_key is None:

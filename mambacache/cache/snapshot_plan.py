@@ -39,7 +39,7 @@ def plan_snapshots(prompt_len: int, cached_len: int, branch_len: int, page_size:
     if not 0 <= cached_len <= branch_len or cached_len > max(prompt_len - 1, 0):
         raise ValueError(f"need 0 <= cached_len ({cached_len}) <= branch_len ({branch_len}) and "
                          f"cached_len <= prompt_len - 1 ({prompt_len - 1})")
-    cands = {_floor(branch_len, page_size), _floor(prompt_len - 1, page_size)}
+    cands = {branch_len // page_size * page_size, (prompt_len - 1) // page_size * page_size}
     if checkpoint_interval:
         step = checkpoint_interval
         first = (cached_len // step + 1) * step
@@ -72,8 +72,8 @@ def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | No
     """
     if not positions:
         return {}
-    branch = _floor(branch_len, page_size) if branch_len is not None else None
-    last = _floor(prompt_len - 1, page_size) if prompt_len is not None else None
+    branch = branch_len // page_size * page_size if branch_len is not None else None
+    last = (prompt_len - 1) // page_size * page_size if prompt_len is not None else None
     firm = [p for p in positions if p == branch]
     spec = [p for p in positions if p != branch] if cache.speculative_states else []
     out: dict[int, int] = {}
@@ -91,5 +91,6 @@ def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | No
         got = cache.alloc_speculative_slots(len(spec), evict=int(spec[0] == last))
         if len(got) < len(spec):
             cache.record_skipped(len(spec) - len(got))
-        out.update(zip(spec, got.tolist(), strict=False))  # shallowest go without
+        if len(got):
+            out.update(zip(spec, got.tolist(), strict=False))  # shallowest go without
     return out

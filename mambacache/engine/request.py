@@ -137,6 +137,12 @@ class Request:
             return self.prompt
         return np.concatenate([self.prompt, np.asarray(self.output_ids, np.int32)])
 
+    def token_slice(self, start: int, end: int) -> np.ndarray:
+        """``token_ids[start:end]``, without building ``token_ids`` when it lies in the prompt."""
+        if end <= len(self.prompt):
+            return self.prompt[start:end]
+        return self.token_ids[start:end]
+
     @property
     def num_tokens(self) -> int:
         """Prompt, known outputs and pending outputs (``num_pending``)."""

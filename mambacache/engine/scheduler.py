@@ -81,13 +81,14 @@ class Scheduler:
         req, start, end = s.req, s.start, s.end
         planned = [(pos, slot) for pos, slot in sorted(req.pending_snapshots.items())
                    if start < pos <= end]
-        req.snapshots_in_flight.update(pos for pos, _ in planned)
+        if planned:
+            req.snapshots_in_flight.update([pos for pos, _ in planned])
         # A snapshot that IS the step's final state is its write slot (no extra row target),
         # so a page-boundary decode keeps the decode program.
         snaps = [(pos - start, slot) for pos, slot in planned
                  if not (pos == end and slot == s.write_slot)]
         read = req.state_slot if req.state_valid else (req.read_slot or 0)
-        tokens, prev = req.token_ids[start:end], -1
+        tokens, prev = req.token_slice(start, end), -1
         if start + len(tokens) < end:  # [overlap] the last token is still on the device
             if req.num_pending != 1 or start + len(tokens) + 1 != end:
                 raise AssertionError(f"request {req.request_id}: row [{start}, {end}) needs "
@@ -211,7 +212,7 @@ class Scheduler:
         n = max(snaps)
         num_pages = n // self.page_size
         pages = req.page_ids
-        res = self.cache.insert(req.token_ids[:n], pages[:num_pages], snapshots=snaps,
+        res = self.cache.insert(req.token_slice(0, n), pages[:num_pages], snapshots=snaps,
                                 extra_key=req.extra_key)
         if res.kept_len // self.page_size != num_pages:
             raise AssertionError(f"insert kept {res.kept_len} of {n} tokens of a running request")
@@ -242,7 +243,7 @@ class Scheduler:
         if len(pages) > used:  # pages taken for tokens that were never computed
             self.cache.free_pages(pages[used:])
         if keep:
-            self.cache.insert(req.token_ids[:n], pages[:used], snapshots=snaps,
+            self.cache.insert(req.token_slice(0, n), pages[:used], snapshots=snaps,
                               extra_key=req.extra_key)
         elif snaps:
             self.cache.free_slots(np.asarray(list(snaps.values()), np.int32))
