@@ -107,3 +107,54 @@ def test_speculative_decoding_runs_the_synchronous_loop():
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     out = eng.generate([prompt], greedy(6))[0]
     assert out.output_token_ids == eng.runner.expected_output(prompt, 6)
+
+
+class _Watched:
+    """A step's output on the shadow runner that logs, when the host reads it: the step, how
+    many steps were dispatched by then, whether work was left and the ``Engine.step`` call."""
+
+    def __init__(self, array, step, engine, log):
+        self.array, self.step, self.engine, self.log = array, step, engine, log
+
+    def __array__(self, dtype=None, copy=None):
+        if self.log is not None:
+            self.log["reads"].append((self.step, len(self.log["dispatched"]),
+                                      self.engine.has_unfinished(), len(self.log["calls"])))
+        return np.asarray(self.array, dtype)
+
+
+def test_a_step_is_read_after_the_next_is_dispatched_and_no_row_runs_past_its_length():
+    """The overlapped loop reads step k only once step k + 1 is dispatched, unless the call had
+    nothing to dispatch or nothing is left to run; and a request whose last token is in flight
+    (``max_new_tokens``) gets no row: every request samples exactly its length."""
+    eng = shadow_engine()
+    rng = np.random.default_rng(14)
+    lengths = [1, 2, 5, 9, 3, 7, 4, 6, 2, 8, 1, 5]
+    prompts = [rand_tokens(rng, int(n)) for n in rng.integers(3, 40, len(lengths))]
+    real_run, rows = eng.runner.run, {}
+    log = {"dispatched": [], "reads": [], "calls": []}
+
+    def run(scheduled):
+        tokens, logprobs = real_run(scheduled)
+        for s in scheduled:
+            rows[s.req.request_id] = rows.get(s.req.request_id, 0) + s.samples
+        log["dispatched"].append(len(log["calls"]))
+        k = len(log["dispatched"]) - 1
+        return _Watched(tokens, k, eng, log), _Watched(logprobs, k, eng, None)
+
+    eng.runner.run = run
+    ids = {eng.add_request(p, greedy(n)): (p, n) for p, n in zip(prompts, lengths, strict=True)}
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+        log["calls"].append(None)
+    assert len(outs) == len(lengths) and eng.in_flight is None
+    for out in outs:
+        prompt, n = ids[out.request_id]
+        assert out.output_token_ids == eng.runner.expected_output(prompt, n)
+        assert rows[out.request_id] == n  # no row sampled past the request's length
+    dispatching_calls = set(log["dispatched"])
+    assert len(log["reads"]) == len(log["dispatched"])
+    for k, n, left, call in log["reads"]:
+        assert n >= k + 2 or call not in dispatching_calls or not left, (k, n, call)
+    assert sum(n >= k + 2 for k, n, _, _ in log["reads"]) > len(log["reads"]) // 2
