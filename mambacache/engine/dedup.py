@@ -28,6 +28,16 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def _common_with(tokens: np.ndarray, other: Any) -> int:
+    """``_common_prefix(tokens, other.token_ids)``, building ``token_ids`` (prompt + outputs)
+    only when ``tokens`` matches the whole prompt."""
+    prompt = other.prompt
+    common = _common_prefix(tokens, prompt)
+    if common < len(prompt) or not other.output_ids:
+        return common
+    return _common_prefix(tokens, other.token_ids)
+
+
 def shared_with_waiting(sched: Any, req: Any, cached_len: int) -> set[int]:
     """Page-aligned positions ``p``, ``cached_len < p < len(req.token_ids)``, where a waiting
     request's prompt leaves ``req``'s tokens (each the state that waiting request will want)."""
@@ -62,7 +72,7 @@ def inflight_branch(sched: Any, req: Any, cached_len: int, branch_len: int) -> i
     for other in sched.running:
         if other.extra_key != req.extra_key:
             continue
-        common = min(_common_prefix(tokens, other.token_ids), len(tokens) - 1) // ps * ps
+        common = min(_common_with(tokens, other), len(tokens) - 1) // ps * ps
         if common <= cached_len:
             continue
         if common <= other.num_computed or other.prefilled or common >= other.num_tokens:

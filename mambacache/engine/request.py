@@ -138,10 +138,13 @@ class Request:
         return np.concatenate([self.prompt, np.asarray(self.output_ids, np.int32)])
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
-        """``token_ids[start:end]``, without building ``token_ids`` when it lies in the prompt."""
-        if end <= len(self.prompt):
+        """``token_ids[start:end]`` (int32) without building ``token_ids``: O(end - start), so a
+        decode row costs O(1) however long the request is."""
+        n = len(self.prompt)
+        if end <= n:
             return self.prompt[start:end]
-        return self.token_ids[start:end]
+        out = np.asarray(self.output_ids[max(start - n, 0):end - n], np.int32)
+        return out if start >= n else np.concatenate([self.prompt[start:], out])
 
     @property
     def num_tokens(self) -> int:
