@@ -49,10 +49,13 @@ class EngineMetrics:
             self.pure_decode_steps += 1
             self.decode_program_steps += is_decode_step([s.spec for s in scheduled])
         c = engine.cache  # protected share of each pool (cache.stats()'s usage, without a dict)
-        tokens = (c.locked_pages() + c.pages.num_held) / c.pages.num_ids
-        states = (c.locked_slots() + c.slots.num_held) / c.slots.num_ids
-        self.peak_token_usage = max(self.peak_token_usage, tokens)
-        self.peak_mamba_usage = max(self.peak_mamba_usage, states)
+        pages, slots = c.pages, c.slots
+        tokens = (c.locked_pages() + pages.num_held) / pages.num_ids
+        states = (c.locked_slots() + slots.num_held) / slots.num_ids
+        if tokens > self.peak_token_usage:
+            self.peak_token_usage = tokens
+        if states > self.peak_mamba_usage:
+            self.peak_mamba_usage = states
 
     def on_flight(self, t: float, delta: int, *, host_bound: bool | None = None) -> None:
         """[overlap] A step was dispatched (``delta`` +1) or read / dropped (-1) at ``t``:

@@ -163,7 +163,7 @@ class Scheduler:
             return s
         stale = [slot for pos, slot in req.pending_snapshots.items() if pos < s.end]
         if stale:
-            self.cache.free_slots(np.asarray(stale, np.int32))
+            self.cache.free_slots(stale)
         req.pending_snapshots = {s.end: int(got[0])}
         req.snapshots_in_flight = set()
         s.write_slot = int(got[0])
@@ -190,7 +190,7 @@ class Scheduler:
                 and p <= req.num_computed}
         rest = {p: s for p, s in req.pending_snapshots.items() if p not in done}
         if drop_rest and rest:
-            self.cache.free_slots(np.asarray(list(rest.values()), np.int32))
+            self.cache.free_slots(list(rest.values()))  # a list: no numpy for a few ids
             rest = {}
         req.pending_snapshots = rest
         req.snapshots_in_flight -= done.keys()
@@ -236,7 +236,7 @@ class Scheduler:
         if end_snapshot:
             snaps[n] = slot
         elif slot is not None:
-            self.cache.free_slots(np.asarray([slot], np.int32))
+            self.cache.free_slots([slot])
         pages = req.page_ids
         num_cached = len(req.cached_page_ids)
         used = max(-(-n // self.page_size), num_cached) if keep else num_cached
@@ -246,7 +246,7 @@ class Scheduler:
             self.cache.insert(req.token_slice(0, n), pages[:used], snapshots=snaps,
                               extra_key=req.extra_key)
         elif snaps:
-            self.cache.free_slots(np.asarray(list(snaps.values()), np.int32))
+            self.cache.free_slots(list(snaps.values()))
         self.cache.unlock(req.match_node)
         req.match_node, req.running_slot, req.read_slot, req.state_slot = None, None, None, None
         req.own_page_ids = req.cached_page_ids = NO_PAGES
