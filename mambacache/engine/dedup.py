@@ -38,6 +38,14 @@ def _common_with(tokens: np.ndarray, other: Any) -> int:
     return _common_prefix(tokens, other.token_ids)
 
 
+def _head(req: Any, tokens: np.ndarray, head_len: int) -> bytes:
+    """The bytes of ``tokens[:head_len]`` (``tokens`` = ``req.token_ids``), sliced from the
+    prompt's bytes when they lie in the prompt."""
+    if head_len <= req.prompt_len:
+        return req.prompt_bytes[:4 * head_len]
+    return tokens[:head_len].tobytes()
+
+
 def shared_with_waiting(sched: Any, req: Any, cached_len: int) -> set[int]:
     """Page-aligned positions ``p``, ``cached_len < p < len(req.token_ids)``, where a waiting
     request's prompt leaves ``req``'s tokens (each the state that waiting request will want)."""
@@ -49,8 +57,7 @@ def shared_with_waiting(sched: Any, req: Any, cached_len: int) -> set[int]:
         return out
     # cheap filter first (one C-level compare per waiting request): sharing more than
     # cached_len needs the first cached_len + page_size tokens in common
-    head = req.prompt_bytes[:4 * head_len] if head_len <= req.prompt_len \
-        else tokens[:head_len].tobytes()
+    head = _head(req, tokens, head_len)
     key = req.extra_key
     for other in [o for o in itertools.islice(sched.waiting, DEDUP_WINDOW)
                   if o.prompt_bytes.startswith(head) and o.extra_key == key]:
@@ -69,9 +76,16 @@ def inflight_branch(sched: Any, req: Any, cached_len: int, branch_len: int) -> i
         return branch_len
     ps = sched.page_size
     tokens = req.token_ids
+    # a common prefix past cached_len (page aligned) starts with these head_len tokens: a running
+    # request whose prompt does not is skipped with one C-level compare
+    head_len = (cached_len // ps + 1) * ps
+    head = _head(req, tokens, head_len) if head_len <= len(tokens) else None
     for other in sched.running:
         if other.extra_key != req.extra_key:
             continue
+        if head is not None and head_len <= other.prompt_len \
+                and not other.prompt_bytes.startswith(head):
+            continue  # shares less than head_len tokens: common <= cached_len
         common = min(_common_with(tokens, other), len(tokens) - 1) // ps * ps
         if common <= cached_len:
             continue
