@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from pallas_kernels.aot import tpu
-from pallas_kernels.aot.gate import missing_cases
+from pallas_kernels.aot.gate import chunks_per_step, format_row, missing_cases
 
 _DUMP = """\
    0x0   :  { %s1 = smov 0 }
@@ -42,6 +42,16 @@ def test_step_bundles_counts_inner_loops_by_their_trip_bound(tmp_path):
     assert tpu.loops(str(path)) == [(1, 7, 64), (3, 5, 64)]
     # grid body 0x1..0x7 once (7 bundles) + the inner 3-bundle loop 63 more times
     assert tpu.step_bundles(str(path)) == 7 + 3 * 63
+
+
+def test_bundles_are_reported_per_chunk_for_multi_chunk_steps():
+    from pallas_kernels.ops import FAMILIES
+    n = chunks_per_step(FAMILIES["tpu"].gdr_extend)
+    assert n and n > 1
+    assert chunks_per_step(FAMILIES["tpu"].conv_decode) is None
+    row = dict(target="v5e:2x2", case="gdr_extend", size="tiny", dtype="float32", ok=True,
+               bundles={"gdr_chunk_call.1": 100 * n}, chunks_per_step=n)
+    assert f"{100 * n} bundles/step = 100 per (chunk, head), {n} chunks/step" in format_row(row)
 
 
 @pytest.mark.aot

@@ -33,7 +33,7 @@ CASES = [
 ]
 
 
-def _run(case_idx: int, dtype: str, zero_init: bool):
+def _run(case_idx: int, dtype: str, zero_init: bool, **kwargs):
     lens, t, b, hk, hv, dk, dv, chunk, snaps = CASES[case_idx]
     rng = np.random.default_rng(case_idx)
     case = ragged_case(rng, lens, num_tokens=t, num_seqs=b, snapshots=snaps,
@@ -47,7 +47,8 @@ def _run(case_idx: int, dtype: str, zero_init: bool):
             jnp.asarray(a) for a in slot_args(case)]
 
     o_ref, pool_ref = gdr_ref.gated_delta_rule_extend_reference(*args())
-    o, pool = gdr.gated_delta_rule_extend(*args(), chunk_size=chunk, interpret=INTERPRET)
+    o, pool = gdr.gated_delta_rule_extend(*args(), chunk_size=chunk, interpret=INTERPRET,
+                                          **kwargs)
     return o, pool, o_ref, pool_ref
 
 
@@ -67,6 +68,20 @@ def test_gdr_extend_kernel_matches_reference(case_idx, dtype, zero_init):
                                atol=atol, rtol=rtol)
     np.testing.assert_allclose(np.asarray(pool), np.asarray(pool_ref), atol=1e-4, rtol=1e-4)
     assert not np.any(np.asarray(pool)[0])
+
+
+def test_gdr_extend_two_chunks_per_step_carries_state_across_steps():
+    """Case 0 at two chunks per grid step: the 19-token sequence's three chunks of 8 span two
+    steps (its state crosses the step boundary in scratch), sequences start mid-step, and its
+    snapshots fall in both steps."""
+    o, pool, o_ref, pool_ref = _run(0, "float32", False, chunks_per_step=2)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool_ref), atol=1e-4, rtol=1e-4)
+
+
+def test_gdr_extend_rejects_odd_chunks_per_step():
+    with pytest.raises(ValueError, match="chunks_per_step 3"):
+        _run(1, "float32", True, chunks_per_step=3)
 
 
 @pytest.mark.parametrize("decay", [0.01, 0.0])

@@ -7,7 +7,8 @@
 TPU targets compile the ``tpu`` family (Mosaic) on libtpu's compile-only topologies
 (``aot.tpu``); ``sm_90`` compiles the ``gpu`` family (Triton) for Hopper (``aot.gpu``) and
 reports registers, shared memory, spill and tensor-core instruction counts per Triton kernel.
-``--bundles`` adds the estimated VLIW bundles per grid step of each TPU kernel (LLO dump). Exit
+``--bundles`` adds the estimated VLIW bundles per grid step of each TPU kernel (LLO dump), and
+per (chunk, head) for kernels whose module sets ``CHUNKS_PER_STEP`` (per step / chunks). Exit
 status 1 if any case fails to compile or a family kernel has no case (``aot.cases``). Needs the
 ``aot`` extra (libtpu, triton).
 """
@@ -57,7 +58,16 @@ def run_case(target: str, case: str, size: str, dtype: str, dump_dir: str | None
     fn = functools.partial(kernel, interpret=False, **kwargs)
     if family == "gpu":
         return row | gpu.compile_for_sm90(fn, args)
-    return row | tpu.compile_for(fn, args, target, dump_dir)
+    chunks = chunks_per_step(kernel)
+    return row | tpu.compile_for(fn, args, target, dump_dir) | (
+        {"chunks_per_step": chunks} if chunks else {})
+
+
+def chunks_per_step(kernel) -> int | None:
+    """``CHUNKS_PER_STEP`` of the kernel's module (a grid step of that kernel does several
+    chunks of a head; its bundles are reported per (chunk, head) too), else None."""
+    return getattr(sys.modules.get(getattr(kernel, "__module__", ""), None), "CHUNKS_PER_STEP",
+                   None)
 
 
 def run(targets, cases, sizes, dtypes, dump_dir: str | None = None, echo=print) -> list[dict]:
@@ -85,7 +95,10 @@ def format_row(r: dict) -> str:
                  f"w{k['num_warps']}s{k['num_stages']}"
                  for k in r["kernels"]]
         return head + "ok    " + "; ".join(parts)
-    bundles = "; ".join(f"{k}: {v} bundles/step" for k, v in r.get("bundles", {}).items())
+    n = r.get("chunks_per_step")
+    bundles = "; ".join(f"{k}: {v} bundles/step" + (f" = {v / n:.0f} per (chunk, head), {n} "
+                                                    "chunks/step" if n else "")
+                        for k, v in r.get("bundles", {}).items())
     return head + "ok    " + bundles
 
 
