@@ -123,12 +123,29 @@ def mtp_draft(params: dict[str, Any], pools: Any, batch: Any, hidden: jax.Array,
 
 def with_seeded_mtp(cfg: ModelConfig, params: dict[str, Any],
                     seed: int = 0) -> tuple[ModelConfig, dict[str, Any]]:
-    """``(cfg, params)`` with a seeded random MTP head added (the tiny presets' drafter; the
-    target's params are untouched: ``init_params`` draws the head last)."""
+    """``(cfg, params)`` with a seeded MTP head added: the tiny presets' drafter (the target's
+    params are untouched: ``init_params`` draws the head last).
+
+    A random head never agrees with a random target, so the seeded one starts where a trained
+    head would for a model whose next token depends mostly on the current one (the presets with
+    ``model.init_branch_scale`` < 1): ``fc`` passes the normed embedding of ``x_{p+1}`` through
+    (identity on that half, small random weights on the hidden half), ``embed_norm`` is the
+    target's final norm and the layer's branches are scaled by 0.2, so ``g_p @ lm_head`` is close
+    to the target's logits after ``x_{p+1}``: the token after next. The attention over its own
+    K/V and the hidden input still move the drafts (acceptance below 1).
+    """
     from models.params import init_params
 
     if cfg.family not in MTP_FAMILIES:
         raise ValueError(f"an MTP head is supported for {MTP_FAMILIES}, not {cfg.family}")
     cfg = dataclasses.replace(cfg, num_mtp_layers=1)
+    mtp = init_params(cfg, seed=seed, dtype=jnp.float32)["mtp"]
+    h = cfg.hidden_size
+    fc = jnp.concatenate([jnp.eye(h, dtype=jnp.float32), 0.05 * mtp["fc"][h:]])
+    layer = {k: ({n: w * 0.2 if n in ("o_proj", "down", "shared_down") else w
+                  for n, w in v.items()} if isinstance(v, dict) else v)
+             for k, v in mtp["layer"].items()}
+    mtp = {**mtp, "fc": fc, "embed_norm": params["final_norm"].astype(jnp.float32),
+           "layer": layer, "final_norm": jnp.zeros_like(mtp["final_norm"])}
     dtype = params["embed"].dtype
-    return cfg, {**params, "mtp": init_params(cfg, seed=seed, dtype=dtype)["mtp"]}
+    return cfg, {**params, "mtp": jax.tree_util.tree_map(lambda w: w.astype(dtype), mtp)}

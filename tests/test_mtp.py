@@ -5,9 +5,9 @@ MTP layer over every position, the chain); a checkpoint's ``mtp.*`` tensors load
 
 A random MTP head never agrees with a random target, which would leave acceptance untested.
 So the model here is close to a bigram model (its layers scaled by 0.3: the next token depends
-mostly on the current one) and its MTP head is built to predict that bigram's next step (the
-embedding path through ``fc`` kept, the layer's branches small but not zero): drafts are
-accepted at varying offsets, and the attention over the MTP's own paged K/V still matters.
+mostly on the current one) and the seeded head predicts that bigram's next step
+(``with_seeded_mtp``): drafts are accepted at varying offsets, and the attention over the MTP's
+own paged K/V still matters.
 """
 
 from __future__ import annotations
@@ -36,22 +36,10 @@ NEW = 14
 
 @functools.cache
 def bigram_model():
-    """(cfg, params): the tiny model with its layers scaled by 0.3, an MTP head that predicts
-    the token after next mostly from the next one."""
+    """(cfg, params): the tiny model with its layers scaled by 0.3 and the seeded MTP head,
+    which for such a model predicts the token after next (``with_seeded_mtp``)."""
     cfg, params = load_model(mc.EngineConfig().replace(**{"model.init_branch_scale": 0.3}))
-    cfg, params = with_seeded_mtp(cfg, params, seed=5)
-    h = cfg.hidden_size
-    mtp = params["mtp"]
-    rng = np.random.default_rng(3)
-    fc = np.concatenate([np.eye(h), 0.05 * rng.normal(size=(h, h))]).astype(np.float32)
-    layer = dict(mtp["layer"])
-    layer["attn"] = {**layer["attn"], "o_proj": layer["attn"]["o_proj"] * 0.2}
-    kind = "moe" if "moe" in layer else "mlp"
-    layer[kind] = {**layer[kind], **{k: v * 0.2 for k, v in layer[kind].items()
-                                     if k in ("down", "shared_down")}}
-    mtp = {**mtp, "fc": jnp.asarray(fc), "embed_norm": params["final_norm"], "layer": layer,
-           "final_norm": jnp.zeros_like(mtp["final_norm"])}
-    return cfg, {**params, "mtp": mtp}
+    return with_seeded_mtp(cfg, params, seed=5)
 
 
 def _engine(**overrides) -> Engine:
