@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,33 +80,44 @@ def test_same_as_none(reference, overrides):
     eng.check_integrity()
 
 
+BUCKET = 64  # tokens and pages of the from-scratch batches (one compile for every call)
+
+
+@functools.cache
+def _ref_fns():
+    cfg, params = bigram_model()
+    fwd = jax.jit(functools.partial(forward, cfg=cfg, kernels="reference", return_hidden=True))
+    layer = jax.jit(lambda *a: mtp_layer(cfg, params["mtp"], params["embed"], *a, "reference",
+                                         None))
+    return fwd, layer
+
+
 def _reference_drafts(tokens: list[int], k: int) -> list[int]:
     """Drafts to follow ``tokens`` (the last one not computed yet), from scratch: the target
     over ``tokens[:-1]``, the MTP over every position, then the chain (fresh pools, one
     sequence, page size 1)."""
     cfg, params = bigram_model()
+    fwd, layer = _ref_fns()
     n = len(tokens) - 1
-    pools = PoolState.create(cfg, 64, 1, 2, extra_kv_layers=1)
-    pages = list(range(1, 64))
+    pools = PoolState.create(cfg, BUCKET, 1, 2, extra_kv_layers=1)
+    pages = list(range(1, BUCKET + 1))
 
     def batch(toks, prefix):
         spec = SeqSpec(tokens=toks, prefix_len=prefix, page_ids=pages, read_slot=0,
                        write_slot=1, logits="all")
-        return build_forward_batch([spec], 1)
+        return build_forward_batch([spec], 1, num_tokens=BUCKET, num_seqs=1,
+                                   num_pages_per_seq=BUCKET, num_snapshots=1, num_logits=BUCKET)
 
     b = batch(tokens[:-1], 0)
-    pools, _, hidden = forward(params, pools, b, cfg=cfg, kernels="reference",
-                               return_hidden=True)
-    kv = (pools.k_pages[-1], pools.v_pages[-1])
-    g, *kv = mtp_layer(cfg, params["mtp"], params["embed"], jnp.asarray(tokens[1:], jnp.int32),
-                       hidden, *kv, b, "reference", None)
-    h = g[-1:]
-    drafts = [int(jnp.argmax(h @ params["lm_head"]))]
+    pools, _, hidden = fwd(params, pools, b)
+    nxt = jnp.zeros(BUCKET, jnp.int32).at[:n].set(jnp.asarray(tokens[1:], jnp.int32))
+    g, *kv = layer(nxt, hidden, pools.k_pages[-1], pools.v_pages[-1], b)
+    h = jnp.broadcast_to(g[n - 1], g.shape)
+    drafts = [int(jnp.argmax(h[0] @ params["lm_head"]))]
     for i in range(1, k):
         b = batch([drafts[-1]], n - 1 + i)
-        h, *kv = mtp_layer(cfg, params["mtp"], params["embed"], b.input_ids, h, *kv, b,
-                           "reference", None)
-        drafts.append(int(jnp.argmax(h @ params["lm_head"])))
+        h, *kv = layer(b.input_ids, h, *kv, b)
+        drafts.append(int(jnp.argmax(h[0] @ params["lm_head"])))
     return drafts
 
 
