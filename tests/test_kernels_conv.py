@@ -34,6 +34,7 @@ def _inputs(rng, case, kw, channels, dtype, use_bias):
     (4, 8, "float32", True, [5, 1, 19, 8]),
     (2, 128, "bfloat16", False, [3, 7, 2, 1, 9, 4, 6, 11]),
     (3, 16, "float32", False, [0, 17]),
+    (4, 384, "bfloat16", True, [13, 0, 22, 3]),   # 384-channel blocks (several vregs wide)
 ])
 def test_conv_extend_kernel_matches_reference(kw, channels, dtype, use_bias, lens):
     rng = np.random.default_rng(kw)

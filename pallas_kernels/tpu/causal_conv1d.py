@@ -43,13 +43,13 @@ def _conv_chunk_kernel(tstart_ref, trow_ref, tslot_ref,  # SMEM scalars: window 
                        pool_ref,   # [N, K-1, C] HBM, aliased to pool_out (unused: no reads)
                        y_ref,      # [BT, BC] output
                        pool_out,   # [N, K-1, C] HBM: final windows and snapshots
-                       xs_ref,     # [K-1+BT, BC] f32 scratch
+                       xs_ref,     # [K-1+BT rounded up to 8, + 8, BC] f32 scratch
                        win_ref):   # [K-1, BC] pool-dtype scratch: staging for the DMA
     del pool_ref
     cb, c = pl.program_id(0), pl.program_id(1)
     bt, bc = y_ref.shape
     width = w_ref.shape[0] - 1
-    xs_ref[...] = x_ref[...].astype(_F32)
+    xs_ref[pl.ds(0, x_ref.shape[0]), :] = x_ref[...].astype(_F32)
     y_ref[...] = _silu_taps(xs_ref, w_ref, b_ref, bt).astype(y_ref.dtype)
 
     def write_target(j, carry):
@@ -57,7 +57,14 @@ def _conv_chunk_kernel(tstart_ref, trow_ref, tslot_ref,  # SMEM scalars: window 
 
         @pl.when(slot > 0)
         def _write():  # the window after r tokens: rows r .. r + K - 2
-            win_ref[...] = xs_ref[pl.ds(trow_ref[j], width), :].astype(win_ref.dtype)
+            # an 8-aligned 16-row load, then a static slice at r % 8 (a dynamic unaligned
+            # sublane load of a ref wider than one vreg does not compile)
+            row = trow_ref[j]                                   # >= 0: bit ops, no sign
+            rows = xs_ref[pl.ds(pl.multiple_of(row - (row & 7), 8), 16), :]
+            for k in range(8):
+                @pl.when((row & 7) == k)
+                def _shifted(k=k):
+                    win_ref[...] = rows[k:k + width].astype(win_ref.dtype)
             pltpu.sync_copy(win_ref, pool_out.at[slot, :, pl.ds(cb * bc, bc)])
 
         return carry
@@ -83,7 +90,8 @@ def conv_chunk_call(tstart, trow, tslot, xw, weight, bias, conv_pool, *, block_c
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[pl.BlockSpec((sq, bt, bc), lambda cb, c, *_: (c, 0, cb)),
                    pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM((rows, bc), _F32), pltpu.VMEM((width, bc), conv_pool.dtype)])
+        scratch_shapes=[pltpu.VMEM((-(-rows // 8) * 8 + 8, bc), _F32),
+                        pltpu.VMEM((width, bc), conv_pool.dtype)])
     return pl.pallas_call(
         _conv_chunk_kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((num_chunks, bt, channels), xw.dtype),
@@ -144,8 +152,16 @@ def conv_decode_call(read_slot, write_slot, x, weight, bias, conv_pool, *,
     )(read_slot, write_slot, x, weight, bias, conv_pool)
 
 
+PREFILL_CHANNELS = 1024  # channels per prefill grid step (was 128: 8x the steps, each ~100 bundles)
+
+
 def _block_channels(channels: int) -> int:
-    return 128 if channels % 128 == 0 else channels
+    """The largest multiple of 128 <= ``PREFILL_CHANNELS`` dividing ``channels`` (all of them
+    when 128 does not divide them: a block's last dim is 128-aligned or the whole dim)."""
+    if channels % 128:
+        return channels
+    lanes = channels // 128
+    return 128 * max(d for d in range(1, PREFILL_CHANNELS // 128 + 1) if lanes % d == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
