@@ -16,10 +16,11 @@ contiguous along the head dim (no per-element clamps), so Triton emits 16-byte v
 and pipelines them with ``cp.async``. Head dims are padded to a power of two >= 16 with masked
 columns.
 
-Decode layout (``T <= B``, one query per sequence): ``block_q`` 1, rows = heads, and the KV
-range of each sequence is split over ``kv_splits`` programs (flash decoding): each writes its
-unnormalised fp32 partial output with its running max and denominator, and ``_combine`` (jnp)
-merges them exactly. Splits are balanced per sequence at run time (``ceil(blocks / kv_splits)``
+Decode layout (``T <= B``, one query per sequence): ``block_q`` 1, rows = heads. When a call
+has few programs (decode, or a short extend over a long prefix) the KV range of each chunk is
+split over ``kv_splits`` programs (flash decoding): each writes its unnormalised fp32 partial
+output with its running max and denominator, and ``_combine`` (jnp) merges them exactly.
+Splits are balanced per chunk at run time (``ceil(tiles / kv_splits)`` of the chunk's own
 tiles each); splits past a short sequence's end do nothing.
 """
 
@@ -37,8 +38,9 @@ from pallas_kernels._common import check, chunk_spans, max_chunks
 
 _F32 = jnp.float32
 _MASKED = -1e30
-TARGET_PROGRAMS = 528   # decode: split the KV range until ~4 programs per H200 SM (132 SMs)
-MIN_SPLIT_TILES = 2     # decode: each split covers at least this many KV tiles (static bound)
+SPLIT_BELOW = 264       # split the KV range when a call has fewer programs (2 per H200 SM) ...
+TARGET_PROGRAMS = 528   # ... until it has ~4 programs per SM (132 SMs)
+MIN_SPLIT_TILES = 2     # each split covers at least this many KV tiles (static bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ def choose_tiles(dtype, group: int, head_dim: int, block_q: int, page_size: int,
                    else default_kv)
     head_splits = -(-group // heads)
     kv_splits = 1
-    if decode:
+    if programs * head_splits < SPLIT_BELOW:    # decode, or a short extend over a long prefix
         most = max(1, -(-max_kv // block_kv) // MIN_SPLIT_TILES)
         kv_splits = max(1, min(most, -(-TARGET_PROGRAMS // (programs * head_splits))))
     warps = 8 if big and (exact or not decode) else 4
