@@ -20,7 +20,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import check, chunk_layout, extend_targets, max_chunks, token_seq_ids
+from pallas_kernels._common import (
+    check,
+    chunk_layout,
+    chunk_targets,
+    max_chunks,
+    state_targets,
+    token_seq_ids,
+)
 from pallas_kernels.reference.gated_delta_rule import check_gdr
 from pallas_kernels.tpu._targets import decayed_state_after
 
@@ -164,7 +171,7 @@ def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
             [_dot(kw_t[j][:half], u), _dot(kw_t[j][half:], u)], axis=0)
     state_ref[...] = state
     _write_targets(c0, n, bt, h, g_ref, tstart_ref, trow_ref, tslot_ref, s0_ref, k_scr, u_scr,
-                   snap_ref, pool_out)
+                   snap_ref, pool_ref, pool_out)
 
 
 def _step_rows(table_ref, c0, n):
@@ -173,28 +180,49 @@ def _step_rows(table_ref, c0, n):
 
 
 def _write_targets(c0, n, bt, h, g_ref, tstart_ref, trow_ref, tslot_ref, s0_ref, k_scr, u_scr,
-                   snap_ref, pool_out):
+                   snap_ref, pool_ref, pool_out):
     """DMA the state after ``trow[t]`` rows of its chunk to ``pool_out[tslot[t], h]`` for every
     target ``t`` of this step's chunks ``c0 .. c0 + n - 1`` (slot 0: dropped), one loop for
-    the step: its chunk ``j`` is found in the CSR starts, its inputs in the scratch buffers."""
+    the step: its chunk ``j`` is found in the CSR starts, its inputs in the scratch buffers.
+    The last step also copies the targets of empty sequences (past ``tstart[NC]``, row
+    ``-(read slot + 1)``) from their read slot, pool to pool."""
     rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
 
     def write_target(t, carry):
-        slot = tslot_ref[t]
+        slot, row = tslot_ref[t], trow_ref[t]
 
-        @pl.when(slot > 0)
+        @pl.when((slot > 0) & (row >= 0))
         def _write():
             j = sum((t >= tstart_ref[c0 + i]).astype(jnp.int32) for i in range(1, n))
             gr = g_ref[pl.ds(c0 + j, 1), :]
             state_after = decayed_state_after(s0_ref[j], k_scr[j], u_scr[j],
                                               _column(gr, rows == cols), gr, _dot)
-            snap_ref[...] = state_after(trow_ref[t])
+            snap_ref[...] = state_after(row)
             pltpu.sync_copy(snap_ref, pool_out.at[slot, h])
+
+        @pl.when((slot > 0) & (row < 0))
+        def _copy():
+            pltpu.sync_copy(pool_ref.at[-1 - row, h], pool_out.at[slot, h])
 
         return carry
 
-    jax.lax.fori_loop(tstart_ref[c0], tstart_ref[c0 + n], write_target, 0)
+    last = pl.program_id(1) == pl.num_programs(1) - 1
+    end = jnp.where(last, trow_ref.shape[0], tstart_ref[c0 + n])
+    jax.lax.fori_loop(tstart_ref[c0], end, write_target, 0)
+
+
+def _targets(cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot, chunk_off,
+             chunk_size: int, num_chunks: int):
+    """The CSR target table of ``_common.chunk_targets`` (``tstart [NC+1]``, ``trow, tslot
+    [B+S]``) with the targets of empty sequences last (past ``tstart[NC]``, they have no
+    chunk) and their row ``-(read slot + 1)``: the kernel copies those itself, so no
+    ``[B+S, Hv, Dk, Dv]`` gather and scatter of states runs in XLA before it."""
+    t_seq, t_off, t_slot = state_targets(cu_seqlens, write_slot, snap_seq, snap_offset,
+                                         snap_slot)
+    empty = cu_seqlens[1:][t_seq] == cu_seqlens[:-1][t_seq]
+    t_off = jnp.where(empty, -1 - read_slot[t_seq], t_off)
+    return chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot, chunk_size, num_chunks)
 
 
 @functools.partial(jax.jit, static_argnames=("chunks_per_step", "interpret"),
@@ -252,9 +280,8 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     num_chunks = -(-max_chunks(num_tokens, chunk_size, num_seqs) // n) * n
     gather, cseq, first, chunk_off = chunk_layout(cu_seqlens, num_tokens, chunk_size,
                                                    num_chunks)
-    ssm_pool, tstart, trow, tslot = extend_targets(
-        ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
-        chunk_off, chunk_size, num_chunks)
+    tstart, trow, tslot = _targets(cu_seqlens, read_slot, write_slot, snap_seq, snap_offset,
+                                   snap_slot, chunk_off, chunk_size, num_chunks)
 
     def chunked(x):  # [T, H, ...] -> [H, NC, BT, ...] with zero rows
         x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[gather]
