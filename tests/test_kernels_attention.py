@@ -63,15 +63,16 @@ def _poison_unused_rows(k_pages, v_pages, seq_lens, table):
     (4, 4, 1, 32, "float32", 2),        # one KV head (MLA's shape)
 ])
 def test_paged_attention_blocks_and_stale_rows(page_size, hq, hkv, d, dtype, ppb):
-    """Several KV blocks per chunk (the DMA chain across blocks and chunks), the kernel's
-    head-tile layouts, and NaN in every page row past the sequences: outputs stay exact."""
+    """Several KV blocks per chunk and several chunks per sequence (the DMA chain across blocks
+    and chunks), the kernel's head-tile layouts, and NaN in every page row past the sequences:
+    outputs stay exact."""
     rng = np.random.default_rng(hkv)
     q, kp, vp, cu, seq_lens, table = _case(rng, [3, 1, 17, 1], [4, 7, 0, 20], page_size, hq,
                                            hkv, d, dtype)
     o_ref = attn_ref.paged_attention_reference(q, kp, vp, cu, seq_lens, table, scale=d ** -0.5)
     kp, vp = _poison_unused_rows(kp, vp, seq_lens, table)
     o = attn.paged_attention(q, kp, vp, cu, seq_lens, table, scale=d ** -0.5,
-                             pages_per_block=ppb, interpret=INTERPRET)
+                             block_q=8, pages_per_block=ppb, interpret=INTERPRET)
     o, o_ref = np.asarray(o, np.float32), np.asarray(o_ref, np.float32)
     assert np.isfinite(o).all()
     np.testing.assert_allclose(o, o_ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -86,5 +87,8 @@ def test_paged_attention_ops_and_shape_check():
     with pytest.raises(ValueError, match="multiple of kv heads"):
         attn.paged_attention(args[0][:, :1], args[1][:, :, :1].repeat(2, 2),
                              args[2][:, :, :1].repeat(2, 2), *args[3:], scale=0.3)
+    # decode shapes: chunks of 8; prefill: the longest chunk with at most 256 query rows
+    assert [attn.default_block_q(t, 64, g) for t, g in [(64, 8), (2048, 8), (2048, 16),
+                                                         (2048, 32)]] == [8, 32, 16, 8]
     with pytest.raises(ValueError, match="pages_per_block"):
         attn.paged_attention(*args, scale=0.3, pages_per_block=args[5].shape[1] + 1)

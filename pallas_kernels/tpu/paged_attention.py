@@ -230,25 +230,39 @@ def attention_call(table, cseq, pos0, kv_end, nblk, blk0, q_c, k_pages, v_pages,
 
 
 def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
-    """Pages per KV block: about 256 positions (at most 256 pages, at most a sequence)."""
-    return max(1, min(pages_per_seq, 256, -(-256 // page_size)))
+    """Pages per KV block: 512 positions from pages of 16 or more (fewer loop steps), else
+    256 (at most 256 page DMAs per block and buffer); at most a sequence."""
+    span = 512 if page_size >= 16 else 256
+    return max(1, min(pages_per_seq, -(-span // page_size)))
+
+
+def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
+    """Query tokens per chunk: 8 for decode shapes (one token per sequence: the rows past it
+    are padding), else the largest of 32 / 16 / 8 with at most 256 query rows (``G * BQ``):
+    each chunk re-reads its KV, so longer chunks cut the DMA traffic and fill the MXU."""
+    if num_tokens <= num_seqs:
+        return 8
+    return next((bq for bq in (32, 16) if group * bq <= 256), 8)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block",
                                              "interpret"))
 def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
-                    block_q: int = 8, pages_per_block: int | None = None,
+                    block_q: int | None = None, pages_per_block: int | None = None,
                     interpret: bool = False):
-    """Pallas ragged paged attention; same contract as ``paged_attention_reference``."""
+    """Pallas ragged paged attention; same contract as ``paged_attention_reference``.
+    ``block_q`` (query tokens per chunk) defaults to ``default_block_q``, ``pages_per_block``
+    to ``default_pages_per_block``."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     check_attention(q, k_pages, v_pages)
+    group = num_q_heads // num_kv_heads
+    block_q = block_q or default_block_q(num_tokens, num_seqs, group)
     check(block_q % 8 == 0 and block_q > 0, f"block_q {block_q} must be a multiple of 8")
     ppb = pages_per_block or default_pages_per_block(page_size, pages_per_seq)
     check(0 < ppb <= pages_per_seq,
           f"pages_per_block {ppb} must be in 1..pages_per_seq ({pages_per_seq})")
-    group = num_q_heads // num_kv_heads
     num_chunks = max_chunks(num_tokens, block_q, num_seqs)
     gather, cseq, _, chunk_off = chunk_layout(cu_seqlens, num_tokens, block_q, num_chunks)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
