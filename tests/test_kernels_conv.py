@@ -6,6 +6,8 @@ ulp); windows are copies of the inputs, so they must match exactly.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,6 +37,7 @@ def _inputs(rng, case, kw, channels, dtype, use_bias):
     (2, 128, "bfloat16", False, [3, 7, 2, 1, 9, 4, 6, 11]),
     (3, 16, "float32", False, [0, 17]),
     (4, 384, "bfloat16", True, [13, 0, 22, 3]),   # 384-channel blocks (several vregs wide)
+    (5, 16, "float32", True, [1, 1, 2, 30, 1, 0]),  # several sequence starts in one block
 ])
 def test_conv_extend_kernel_matches_reference(kw, channels, dtype, use_bias, lens):
     rng = np.random.default_rng(kw)
@@ -83,3 +86,26 @@ def test_conv_ops_pallas_matches_reference_and_checks_dtype():
     with pytest.raises(ValueError, match="conv_pool dtype"):
         conv.causal_conv1d_decode(x[:2], w, bias, jnp.asarray(pool, jnp.bfloat16),
                                   jnp.asarray(case.read_slot), jnp.asarray(case.write_slot))
+
+
+@pytest.mark.parametrize("dtype,chunk,pad", [("float32", 8, 0), ("bfloat16", 16, 5)])
+def test_conv_extend_writes_its_own_read_slot(dtype, chunk, pad):
+    """Initial windows are read in place from the pool: a sequence whose write slot is its read
+    slot still gets every window from its old initial window, snapshots at offsets < K-1
+    included; sequences start anywhere in a row block (and straddle blocks)."""
+    rng = np.random.default_rng(5)
+    lens = [2, 19, 0, 1, 7]
+    snaps = [(0, 1), (1, 0), (1, 2), (1, 17), (2, 0), (3, 0), (4, 1), (4, 6)]
+    case = ragged_case(rng, lens, num_tokens=sum(lens) + pad, num_seqs=6, snapshots=snaps)
+    case = dataclasses.replace(case, read_slot=case.write_slot.copy())   # fresh, distinct
+    x, w, bias, pool = _inputs(rng, case, 4, 128, dtype, True)
+    slots = [jnp.asarray(a) for a in slot_args(case)]
+    y_ref, pool_ref = conv_ref.causal_conv1d_extend_reference(x, w, bias,
+                                                              jnp.asarray(pool, dtype), *slots)
+    y, new_pool = conv.causal_conv1d_extend(x, w, bias, jnp.asarray(pool, dtype), *slots,
+                                            chunk_size=chunk, interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    assert not np.any(np.asarray(y, np.float32)[sum(lens):])
+    np.testing.assert_array_equal(np.asarray(new_pool, np.float32),
+                                  np.asarray(pool_ref, np.float32))
