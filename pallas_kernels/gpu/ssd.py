@@ -1,13 +1,24 @@
-"""Pallas Triton (GPU) Mamba2 SSD kernels: chunked ragged prefill with snapshots at any offset,
-and the recurrent decode step; pools updated in place.
+"""Pallas Triton (GPU) Mamba2 SSD chunked prefill over ragged sequences, with snapshots at any
+offset; the pool is updated in place. Decode lives in ``gpu/ssd_decode.py`` (re-exported).
 
-Same contract as ``reference.ssd`` (state ``[H, N, P]`` per slot; math in ``docs/kernels.md``
-and ``tpu/ssd.py``). Prefill grid ``(B, H, P / BP)``: one program per (sequence, head, head-dim
-tile) loads the initial state tile ``[N, BP]`` of ``read_slot[b]``, walks the sequence's chunks
-of ``BT`` tokens in a ``fori_loop`` carrying the state in registers, and stores every state the
-targets table asks for (finals and snapshots, the state after any row of a chunk). Decode grid
-``(B, H)``: one token, the whole ``[N, P]`` state of one head. N and P need not be powers of
-two (masked loads and stores).
+Same contract as ``reference.ssd`` (state ``[H, N, P]`` f32 per slot; the chunked form is in
+``docs/kernels.md``). fla / mamba_ssm-style split into three launches, so that only an
+elementwise recurrence (plus the rare target product) is sequential:
+
+1. ``_chunk_state_kernel``, grid ``(NC, H, P / BP)`` (parallel): each chunk's own state
+   contribution ``dS = B^T (exp(g_last - g) dt * x)`` ``[N, BP]``, into ``states``.
+2. ``_state_pass_kernel``, grid ``(B, H, P / BPS)``: walks a sequence's chunks carrying the state
+   tile, overwrites ``states[c]`` (in place) with the chunk's start state ``S0``, writes every
+   target of the CSR table (finals, snapshots: ``S_r`` after any row r) into the pool, and
+   moves on with ``S <- exp(g_last) S0 + dS``.
+3. ``_output_kernel``, grid ``(NC, H, P / BP)`` (parallel):
+   ``y = exp(g) (C S0) + (exp(g_i - g_j) [j <= i] C B^T dt_j) x + D x``.
+
+Dot operands (accumulation always f32): bf16 / f16 inputs go to the tensor cores as they are;
+f32 intermediates that multiply them are rounded to the input dtype for the output (y is in
+that dtype) and split into two input-dtype terms ``hi + lo`` for the states (f32, ~2^-16
+relative), so interpreted runs see the same roundings as the GPU. f32 inputs use ``F32_DOT``
+(3-pass tf32 on the GPU, about fp32 accuracy; exact fp32 when interpreted).
 """
 
 from __future__ import annotations
@@ -23,27 +34,90 @@ from pallas_kernels._common import (
     check,
     check_chunk_size,
     chunk_layout,
+    chunk_spans,
     extend_targets,
     max_chunks,
     token_seq_ids,
 )
 from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16
+from pallas_kernels.gpu.ssd_decode import ssd_decode
 from pallas_kernels.reference.ssd import check_ssd
 
+__all__ = ["ssd_decode", "ssd_extend"]
+
 _F32 = jnp.float32
-_HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # IEEE fp32 dots
-BLOCK_P = 32    # head-dim tile of the state held by one program
-NUM_WARPS = 8   # BT 32, BP 32, 8 warps: 183 spill instructions at Nemotron-H sizes in the sm_90
-                # gate (BT 64, BP 64, 4 warps: 35,443); fp32 dots (HIGHEST): exact, no tensor cores
+_HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # exact fp32 (interpreted)
+F32_DOT = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # f32 inputs, compiled: 3 tf32 passes
+BLOCK_P = 64        # head-dim tile of the parallel kernels
+BLOCK_P_STATE = 32  # head-dim tile of the state pass (more programs for a memory-bound walk)
+NUM_WARPS = 8
+NUM_STAGES = 1
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False):
+def _dot(a, b, precision, *, trans_a=False, trans_b=False):
     dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=_HIGHEST,
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
                                preferred_element_type=_F32)
 
 
-def _ssd_extend_kernel(cu_ref,      # [B+1] i32 packed sequence starts
+def _mm(a, b, f32_dot, **kw):
+    """``a @ b`` f32-accumulated: narrow operands as they are, f32 ones at ``f32_dot``."""
+    return _dot(a, b, None if a.dtype != _F32 else f32_dot, **kw)
+
+
+def _weighted_bt_x(bm, w, x, f32_dot):
+    """``(B * w[:, None])^T x`` ``[N, BP]`` f32. bm ``[BT, N]``, x ``[BT, BP]`` in the input
+    dtype, w ``[BT]`` f32; narrow inputs: the scaled B as two narrow terms ``hi + lo``."""
+    bw = bm.astype(_F32) * w[:, None]
+    if x.dtype == _F32:
+        return _dot(bw, x, f32_dot, trans_a=True)
+    hi = bw.astype(x.dtype)
+    lo = (bw - hi.astype(_F32)).astype(x.dtype)
+    return _dot(hi, x, None, trans_a=True) + _dot(lo, x, None, trans_a=True)
+
+
+def _last(v, lane, r):
+    """``v[r - 1]`` of a ``[BT]`` vector (0 for r = 0) by a masked sum (no scalar extract)."""
+    return jnp.sum(jnp.where(lane == r - 1, v, 0.0))
+
+
+def _load_chunk(b_ref, dt_ref, tok0, count, h, grp, a_h, *, bt, block_n, state_size):
+    """B ``[BT, block_n]`` (input dtype), dt and the in-chunk cumulative log decay ``g``
+    ``[BT]`` f32 of one chunk; rows >= count are zero (g flat there)."""
+    lane = jnp.arange(bt)
+    rmask = lane < count
+    nmask = jnp.arange(block_n) < state_size
+    tidx = pl.ds(tok0, bt)
+    bm = pltr.load(b_ref.at[tidx, grp, pl.ds(0, block_n)], mask=rmask[:, None] & nmask[None, :],
+                   other=0.0)
+    dt = pltr.load(dt_ref.at[tidx, h], mask=rmask, other=0.0)
+    return bm, dt, jnp.cumsum(dt * a_h), rmask
+
+
+def _chunk_state_kernel(cstart_ref,  # [NC] i32 first token of each chunk
+                        clen_ref,    # [NC] i32 tokens in each chunk (0: unused chunk)
+                        x_ref,       # [T, H, P]
+                        dt_ref,      # [T, H] f32
+                        a_ref,       # [H] f32
+                        b_ref,       # [T, G, N]
+                        states_ref,  # [NC, H, N, P] f32 out: the chunk's dS
+                        *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
+                        f32_dot):
+    c, h, pt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, dt, g, rmask = _load_chunk(b_ref, dt_ref, cstart_ref[c], clen_ref[c], h,
+                                   jax.lax.div(h, group), a_ref[h], bt=bt, block_n=block_n,
+                                   state_size=state_size)
+    pmask = (pt * block_p + jnp.arange(block_p)) < x_ref.shape[2]
+    pidx = pl.ds(pt * block_p, block_p)
+    x = pltr.load(x_ref.at[pl.ds(cstart_ref[c], bt), h, pidx],
+                  mask=rmask[:, None] & pmask[None, :], other=0.0)
+    w = jnp.exp(_last(g, jnp.arange(bt), bt) - g) * dt
+    nmask = jnp.arange(block_n) < state_size
+    pltr.store(states_ref.at[c, h, pl.ds(0, block_n), pidx], _weighted_bt_x(bm, w, x, f32_dot),
+               mask=nmask[:, None] & pmask[None, :])
+
+
+def _state_pass_kernel(cu_ref,      # [B+1] i32 packed sequence starts
                        read_ref,    # [B] i32 initial-state slot
                        coff_ref,    # [B+1] i32 first chunk of each sequence (targets CSR row)
                        tstart_ref,  # [NC+1] i32 targets CSR offsets per chunk
@@ -53,73 +127,130 @@ def _ssd_extend_kernel(cu_ref,      # [B+1] i32 packed sequence starts
                        dt_ref,      # [T, H] f32
                        a_ref,       # [H] f32
                        b_ref,       # [T, G, N]
-                       c_ref,       # [T, G, N]
-                       d_ref,       # [H] f32
+                       states_ref,  # [NC, H, N, P] f32 dS (alias of states_out)
                        pool_ref,    # [S, H, N, P] f32 initial states (alias of pool_out)
-                       y_ref,       # [T, H, P] output (padding tokens left unwritten)
+                       states_out,  # [NC, H, N, P] f32 out: the chunk start states S0
                        pool_out,    # [S, H, N, P] f32 finals and snapshots
-                       *, chunk_size: int, state_size: int, block_n: int, block_p: int,
-                       group: int):
+                       *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
+                       f32_dot):
     b, h, pt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bt, grp = chunk_size, jax.lax.div(h, group)
     start, end = cu_ref[b], cu_ref[b + 1]
-    p0 = pt * block_p
     nmask = jnp.arange(block_n) < state_size
-    pmask = (p0 + jnp.arange(block_p)) < y_ref.shape[2]
+    pmask = (pt * block_p + jnp.arange(block_p)) < x_ref.shape[2]
     smask = nmask[:, None] & pmask[None, :]
-    nidx, pidx = pl.ds(0, block_n), pl.ds(p0, block_p)
+    nidx, pidx = pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
+    a_h, grp, lane = a_ref[h], jax.lax.div(h, group), jnp.arange(bt)
     state0 = pltr.load(pool_ref.at[read_ref[b], h, nidx, pidx], mask=smask, other=0.0)
-    a_h, d_h = a_ref[h], d_ref[h]
-    lane = jnp.arange(bt)
-    rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
 
-    def chunk(c, s0):  # s0 [block_n, block_p] f32: state at the chunk start
-        tok0 = start + c * bt
-        rmask = (tok0 + lane) < end
-        tidx = pl.ds(tok0, bt)
-        bc_mask, xp_mask = rmask[:, None] & nmask[None, :], rmask[:, None] & pmask[None, :]
-        bm = pltr.load(b_ref.at[tidx, grp, nidx], mask=bc_mask, other=0.0).astype(_F32)
-        cm = pltr.load(c_ref.at[tidx, grp, nidx], mask=bc_mask, other=0.0).astype(_F32)
-        x = pltr.load(x_ref.at[tidx, h, pidx], mask=xp_mask, other=0.0).astype(_F32)
-        dt = pltr.load(dt_ref.at[tidx, h], mask=rmask, other=0.0)
-        gcum = jnp.cumsum(dt * a_h)                                       # [BT]
-        decay = jnp.exp(jnp.where(rows >= cols, gcum[:, None] - gcum[None, :], -jnp.inf))
-        u = dt[:, None] * x
-        y = (jnp.exp(gcum)[:, None] * _dot(cm, s0)
-             + _dot(decay * _dot(cm, bm, trans_b=True), u) + d_h * x)
-        pltr.store(y_ref.at[tidx, h, pidx], y.astype(y_ref.dtype), mask=xp_mask)
-
-        def state_after(r):  # state after the first r rows of the chunk (0..BT)
-            g_r = jnp.sum(jnp.where(lane == r - 1, gcum, 0.0))
-            w = jnp.where(lane < r, jnp.exp(g_r - gcum), 0.0)
-            return jnp.exp(g_r) * s0 + _dot(bm, w[:, None] * u, trans_a=True)
+    def chunk(c, s0):  # s0 [block_n, block_p] f32: the state at the chunk start
+        tok0, cid = start + c * bt, coff_ref[b] + c
+        count = jnp.minimum(end - tok0, bt)
+        dt = pltr.load(dt_ref.at[pl.ds(tok0, bt), h], mask=lane < count, other=0.0)
+        g_last = _last(jnp.cumsum(dt * a_h), lane, bt)
+        s_next = jnp.exp(g_last) * s0 + pltr.load(states_ref.at[cid, h, nidx, pidx], mask=smask,
+                                                  other=0.0)
+        pltr.store(states_out.at[cid, h, nidx, pidx], s0, mask=smask)
 
         def write_target(j, carry):
-            slot = tslot_ref[j]
+            slot, r = tslot_ref[j], trow_ref[j]
 
-            @pl.when(slot > 0)
-            def _write():
-                pltr.store(pool_out.at[slot, h, nidx, pidx], state_after(trow_ref[j]),
-                           mask=smask)
+            @pl.when((slot > 0) & (r == 0))
+            def _initial():
+                pltr.store(pool_out.at[slot, h, nidx, pidx], s0, mask=smask)
+
+            @pl.when((slot > 0) & (r >= count))
+            def _end():
+                pltr.store(pool_out.at[slot, h, nidx, pidx], s_next, mask=smask)
+
+            @pl.when((slot > 0) & (r > 0) & (r < count))
+            def _inside():  # S_r = exp(g_r) S0 + B^T (exp(g_r - g) dt x)[:r]
+                bm, dtc, g, rmask = _load_chunk(b_ref, dt_ref, tok0, r, h, grp, a_h, bt=bt,
+                                                block_n=block_n, state_size=state_size)
+                x = pltr.load(x_ref.at[pl.ds(tok0, bt), h, pidx],
+                              mask=rmask[:, None] & pmask[None, :], other=0.0)
+                g_r = _last(g, lane, r)
+                s_r = jnp.exp(g_r) * s0 + _weighted_bt_x(bm, jnp.exp(g_r - g) * dtc, x, f32_dot)
+                pltr.store(pool_out.at[slot, h, nidx, pidx], s_r, mask=smask)
 
             return carry
 
-        cid = coff_ref[b] + c
         jax.lax.fori_loop(tstart_ref[cid], tstart_ref[cid + 1], write_target, 0)
-        return state_after(bt)
+        return s_next
 
     jax.lax.fori_loop(0, jax.lax.div(end - start + bt - 1, bt), chunk, state0)
+
+
+def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
+                   clen_ref,    # [NC] i32 tokens in each chunk
+                   x_ref,       # [T, H, P]
+                   dt_ref,      # [T, H] f32
+                   a_ref,       # [H] f32
+                   b_ref,       # [T, G, N]
+                   c_ref,       # [T, G, N]
+                   d_ref,       # [H] f32
+                   states_ref,  # [NC, H, N, P] f32 chunk start states
+                   y_ref,       # [T, H, P] out (padding tokens left unwritten)
+                   *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
+                   f32_dot):
+    c, h, pt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tok0, grp = cstart_ref[c], jax.lax.div(h, group)
+    bm, dt, g, rmask = _load_chunk(b_ref, dt_ref, tok0, clen_ref[c], h, grp, a_ref[h], bt=bt,
+                                   block_n=block_n, state_size=state_size)
+    nmask = jnp.arange(block_n) < state_size
+    pmask = (pt * block_p + jnp.arange(block_p)) < x_ref.shape[2]
+    tidx, nidx, pidx = pl.ds(tok0, bt), pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
+    cm = pltr.load(c_ref.at[tidx, grp, nidx], mask=rmask[:, None] & nmask[None, :], other=0.0)
+    tile = rmask[:, None] & pmask[None, :]
+    x = pltr.load(x_ref.at[tidx, h, pidx], mask=tile, other=0.0)
+    s0 = pltr.load(states_ref.at[c, h, nidx, pidx], mask=nmask[:, None] & pmask[None, :],
+                   other=0.0)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    decay = jnp.exp(jnp.where(rows >= cols, g[:, None] - g[None, :], -jnp.inf))
+    scores = (decay * _mm(cm, bm, f32_dot, trans_b=True) * dt[None, :]).astype(x.dtype)
+    y = (jnp.exp(g)[:, None] * _mm(cm, s0.astype(x.dtype), f32_dot)
+         + _mm(scores, x, f32_dot) + d_ref[h] * x.astype(_F32))
+    pltr.store(y_ref.at[tidx, h, pidx], y.astype(y_ref.dtype), mask=tile)
+
+
+def _extend_call(cu_seqlens, read_slot, chunk_off, cstart, clen, tstart, trow, tslot, x, dt, a,
+                 b, c, d, ssm_pool, *, chunk_size: int, interpret: bool):
+    num_heads, p, n = x.shape[1], x.shape[2], b.shape[2]
+    num_chunks = cstart.shape[0]
+    block_p = min(BLOCK_P, pow2_at_least_16(p))
+    block_ps = min(BLOCK_P_STATE, block_p)
+    common = dict(bt=chunk_size, block_n=pow2_at_least_16(n), state_size=n,
+                  group=num_heads // b.shape[1], f32_dot=_HIGHEST if interpret else F32_DOT)
+    params = pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    sds = jax.ShapeDtypeStruct
+    states = pl.pallas_call(
+        functools.partial(_chunk_state_kernel, block_p=block_p, **common),
+        grid=(num_chunks, num_heads, pl.cdiv(p, block_p)), interpret=interpret,
+        out_shape=sds((num_chunks, num_heads, n, p), _F32), compiler_params=params,
+    )(cstart, clen, x, dt, a, b)
+    states, ssm_pool = pl.pallas_call(
+        functools.partial(_state_pass_kernel, block_p=block_ps, **common),
+        grid=(read_slot.shape[0], num_heads, pl.cdiv(p, block_ps)), interpret=interpret,
+        out_shape=[sds(states.shape, _F32), sds(ssm_pool.shape, ssm_pool.dtype)],
+        input_output_aliases={10: 0, 11: 1}, compiler_params=params,
+    )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, x, dt, a, b, states, ssm_pool)
+    y = pl.pallas_call(
+        functools.partial(_output_kernel, block_p=block_p, **common),
+        grid=(num_chunks, num_heads, pl.cdiv(p, block_p)), interpret=interpret,
+        out_shape=sds(x.shape, x.dtype), compiler_params=params,
+    )(cstart, clen, x, dt, a, b, c, d, states)
+    return y, ssm_pool
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
                    donate_argnames=("ssm_pool",))
 def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-               snap_offset, snap_slot, *, chunk_size: int = 32, interpret: bool = False):
+               snap_offset, snap_slot, *, chunk_size: int = 64, interpret: bool = False):
     """Pallas Triton chunked prefill; the contract of ``ssd_extend_reference``. ``chunk_size``
-    must be a power of two >= 16 here (Triton tiles; 32 keeps the register tiles small).
-    Returns ``(y, ssm_pool)``."""
-    num_heads, p, g, n = check_ssd(x, dt, a, b, c, d, ssm_pool)
+    must be a power of two >= 16 here (Triton tiles). x, B, C of one narrow dtype (bf16, f16)
+    feed the tensor cores as they are; otherwise all three are taken as f32.
+    Returns ``(y [T, H, P] in x.dtype, ssm_pool)``; padding tokens give 0."""
+    check_ssd(x, dt, a, b, c, d, ssm_pool)
     check_chunk_size(chunk_size)
     check(chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
           f"chunk_size {chunk_size} must be a power of two >= 16 on GPU")
@@ -129,68 +260,14 @@ def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, s
     ssm_pool, tstart, trow, tslot = extend_targets(
         ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot,
         chunk_off, chunk_size, num_chunks)
-    block_p = min(BLOCK_P, pow2_at_least_16(p))
-    kernel = functools.partial(_ssd_extend_kernel, chunk_size=chunk_size, state_size=n,
-                               block_n=pow2_at_least_16(n), block_p=block_p,
-                               group=num_heads // g)
     i32 = lambda v: jnp.asarray(v, jnp.int32)
-    y, ssm_pool = pl.pallas_call(
-        kernel, grid=(num_seqs, num_heads, pl.cdiv(p, block_p)),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                   jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
-        input_output_aliases={12: 1}, interpret=interpret,
-        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-    )(i32(cu_seqlens), i32(read_slot), chunk_off, tstart, trow, tslot, x, dt.astype(_F32),
-      a.astype(_F32), b, c, d.astype(_F32), ssm_pool)
+    cu = i32(cu_seqlens)
+    cseq, loc, clen = chunk_spans(cu, num_tokens, chunk_size, num_chunks)
+    narrow = x.dtype in (jnp.bfloat16, jnp.float16) and b.dtype == c.dtype == x.dtype
+    cdt = x.dtype if narrow else _F32
+    y, ssm_pool = _extend_call(
+        cu, i32(read_slot), chunk_off, cu[cseq] + loc, clen, tstart, trow, tslot,
+        x.astype(cdt), dt.astype(_F32), a.astype(_F32), b.astype(cdt), c.astype(cdt),
+        d.astype(_F32), ssm_pool, chunk_size=chunk_size, interpret=interpret)
     _, valid = token_seq_ids(cu_seqlens, num_tokens)
     return jnp.where(valid[:, None, None], y, 0).astype(x.dtype), ssm_pool
-
-
-def _ssd_decode_kernel(read_ref,   # [B] i32
-                       write_ref,  # [B] i32 (0 = dropped)
-                       x_ref,      # [B, H, P]
-                       dt_ref,     # [B, H] f32
-                       a_ref,      # [H] f32
-                       b_ref,      # [B, G, N]
-                       c_ref,      # [B, G, N]
-                       d_ref,      # [H] f32
-                       pool_ref,   # [S, H, N, P] f32 (alias of pool_out)
-                       y_ref,      # [B, H, P]
-                       pool_out,   # [S, H, N, P] f32
-                       *, state_size: int, head_dim: int, block_n: int, block_p: int,
-                       group: int):
-    i, h = pl.program_id(0), pl.program_id(1)
-    grp = jax.lax.div(h, group)
-    nmask, pmask = jnp.arange(block_n) < state_size, jnp.arange(block_p) < head_dim
-    smask = nmask[:, None] & pmask[None, :]
-    nidx, pidx = pl.ds(0, block_n), pl.ds(0, block_p)
-    state = pltr.load(pool_ref.at[read_ref[i], h, nidx, pidx], mask=smask, other=0.0)
-    x = pltr.load(x_ref.at[i, h, pidx], mask=pmask, other=0.0).astype(_F32)
-    bv = pltr.load(b_ref.at[i, grp, nidx], mask=nmask, other=0.0).astype(_F32)
-    cv = pltr.load(c_ref.at[i, grp, nidx], mask=nmask, other=0.0).astype(_F32)
-    dt = dt_ref[i, h]
-    state = jnp.exp(dt * a_ref[h]) * state + (dt * bv)[:, None] * x[None, :]
-    y = jnp.sum(state * cv[:, None], axis=0) + d_ref[h] * x
-    pltr.store(y_ref.at[i, h, pidx], y.astype(y_ref.dtype), mask=pmask)
-
-    @pl.when(write_ref[i] > 0)
-    def _write():
-        pltr.store(pool_out.at[write_ref[i], h, nidx, pidx], state, mask=smask)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("ssm_pool",))
-def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, interpret: bool = False):
-    """Pallas Triton decode; the contract of ``ssd_decode_reference``. Returns ``(y, pool)``."""
-    num_heads, p, g, n = check_ssd(x, dt, a, b, c, d, ssm_pool)
-    kernel = functools.partial(_ssd_decode_kernel, state_size=n, head_dim=p,
-                               block_n=pow2_at_least_16(n), block_p=pow2_at_least_16(p),
-                               group=num_heads // g)
-    i32 = lambda v: jnp.asarray(v, jnp.int32)
-    return pl.pallas_call(
-        kernel, grid=(x.shape[0], num_heads),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                   jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
-        input_output_aliases={8: 1}, interpret=interpret,
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
-    )(i32(read_slot), i32(write_slot), x, dt.astype(_F32), a.astype(_F32), b, c,
-      d.astype(_F32), ssm_pool)
