@@ -161,16 +161,24 @@ def _attn_kernel(meta_ref,   # [4, NC] int32 per chunk: seq, first packed token,
             jnp.zeros(shape, _F32))
     m, denom, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
     out_tok = jnp.where(ok, start + t, num_tokens + row)
+    _store_outputs(out_refs, split, out_tok, head, ok, dims, m, denom, acc)
+
+
+def _store_outputs(out_refs, split, out_tok, head, ok, dims, m, denom, acc):
+    """Rows ``out_tok [RP]``, heads ``head [RP]`` (masked by ``ok``): the normalised output, or
+    with one ``out_refs`` per split statistic the unnormalised ``acc`` and its ``m``, ``denom``
+    at split ``split``."""
+    shape = acc.shape
     full = lambda a: jnp.broadcast_to(a[:, None], shape)  # noqa: E731
-    if tiles.kv_splits == 1:
+    cols = jnp.broadcast_to(dims, shape)
+    if len(out_refs) == 1:
         o = jnp.where(denom[:, None] > 0, acc / jnp.maximum(denom, 1e-30)[:, None], 0.0)
-        pltr.store(out_refs[0].at[full(out_tok), full(head), jnp.broadcast_to(dims, shape)],
+        pltr.store(out_refs[0].at[full(out_tok), full(head), cols],
                    o.astype(out_refs[0].dtype), mask=full(ok))
         return
     acc_ref, m_ref, l_ref = out_refs
-    s_idx = jnp.full((tiles.rows,), split, jnp.int32)
-    pltr.store(acc_ref.at[full(out_tok), full(head), full(s_idx), jnp.broadcast_to(dims, shape)],
-               acc, mask=full(ok))
+    s_idx = jnp.full(out_tok.shape, split, jnp.int32)
+    pltr.store(acc_ref.at[full(out_tok), full(head), full(s_idx), cols], acc, mask=full(ok))
     pltr.store(m_ref.at[out_tok, head, s_idx], m, mask=ok)
     pltr.store(l_ref.at[out_tok, head, s_idx], denom, mask=ok)
 
