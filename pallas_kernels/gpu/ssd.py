@@ -180,34 +180,51 @@ def _state_pass_kernel(cu_ref,      # [B+1] i32 packed sequence starts
     jax.lax.fori_loop(0, jax.lax.div(end - start + bt - 1, bt), chunk, state0)
 
 
+def _scores_kernel(cstart_ref,  # [NC] i32 first token of each chunk
+                   clen_ref,    # [NC] i32 tokens in each chunk
+                   b_ref,       # [T, G, N]
+                   c_ref,       # [T, G, N]
+                   cb_ref,      # [NC, G, BT, BT] f32 out: C B^T of the chunk (zero past clen)
+                   *, bt: int, block_n: int, state_size: int, f32_dot):
+    c, grp = pl.program_id(0), pl.program_id(1)
+    rmask = jnp.arange(bt) < clen_ref[c]
+    mask = rmask[:, None] & (jnp.arange(block_n) < state_size)[None, :]
+    tidx, nidx = pl.ds(cstart_ref[c], bt), pl.ds(0, block_n)
+    bm = pltr.load(b_ref.at[tidx, grp, nidx], mask=mask, other=0.0)
+    cm = pltr.load(c_ref.at[tidx, grp, nidx], mask=mask, other=0.0)
+    pltr.store(cb_ref.at[c, grp, pl.ds(0, bt), pl.ds(0, bt)], _mm(cm, bm, f32_dot, trans_b=True))
+
+
 def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                    clen_ref,    # [NC] i32 tokens in each chunk
                    x_ref,       # [T, H, P]
                    dt_ref,      # [T, H] f32
                    a_ref,       # [H] f32
-                   b_ref,       # [T, G, N]
                    c_ref,       # [T, G, N]
                    d_ref,       # [H] f32
+                   cb_ref,      # [NC, G, BT, BT] f32 C B^T per chunk and group
                    states_ref,  # [NC, H, N, P] f32 chunk start states
                    y_ref,       # [T, H, P] out (padding tokens left unwritten)
                    *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
                    f32_dot):
     c, h, pt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tok0, grp = cstart_ref[c], jax.lax.div(h, group)
-    bm, dt, g, rmask = _load_chunk(b_ref, dt_ref, tok0, clen_ref[c], h, grp, a_ref[h], bt=bt,
-                                   block_n=block_n, state_size=state_size)
+    tok0, grp, lane = cstart_ref[c], jax.lax.div(h, group), jnp.arange(bt)
+    rmask = lane < clen_ref[c]
+    tidx, nidx, pidx = pl.ds(tok0, bt), pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
+    dt = pltr.load(dt_ref.at[tidx, h], mask=rmask, other=0.0)
+    g = jnp.cumsum(dt * a_ref[h])
     nmask = jnp.arange(block_n) < state_size
     pmask = (pt * block_p + jnp.arange(block_p)) < x_ref.shape[2]
-    tidx, nidx, pidx = pl.ds(tok0, bt), pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
     cm = pltr.load(c_ref.at[tidx, grp, nidx], mask=rmask[:, None] & nmask[None, :], other=0.0)
     tile = rmask[:, None] & pmask[None, :]
     x = pltr.load(x_ref.at[tidx, h, pidx], mask=tile, other=0.0)
     s0 = pltr.load(states_ref.at[c, h, nidx, pidx], mask=nmask[:, None] & pmask[None, :],
                    other=0.0)
+    cb = cb_ref[c, grp, pl.ds(0, bt), pl.ds(0, bt)]
     rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
     decay = jnp.exp(jnp.where(rows >= cols, g[:, None] - g[None, :], -jnp.inf))
-    scores = (decay * _mm(cm, bm, f32_dot, trans_b=True) * dt[None, :]).astype(x.dtype)
+    scores = (decay * cb * dt[None, :]).astype(x.dtype)
     y = (jnp.exp(g)[:, None] * _mm(cm, s0.astype(x.dtype), f32_dot)
          + _mm(scores, x, f32_dot) + d_ref[h] * x.astype(_F32))
     pltr.store(y_ref.at[tidx, h, pidx], y.astype(y_ref.dtype), mask=tile)
@@ -234,11 +251,17 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, cstart, clen, tstart, trow, t
         out_shape=[sds(states.shape, _F32), sds(ssm_pool.shape, ssm_pool.dtype)],
         input_output_aliases={10: 0, 11: 1}, compiler_params=params,
     )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, x, dt, a, b, states, ssm_pool)
+    cb = pl.pallas_call(
+        functools.partial(_scores_kernel, bt=chunk_size, block_n=common["block_n"],
+                          state_size=n, f32_dot=common["f32_dot"]),
+        grid=(num_chunks, b.shape[1]), interpret=interpret, compiler_params=params,
+        out_shape=sds((num_chunks, b.shape[1], chunk_size, chunk_size), _F32),
+    )(cstart, clen, b, c)
     y = pl.pallas_call(
         functools.partial(_output_kernel, block_p=block_p, **common),
         grid=(num_chunks, num_heads, pl.cdiv(p, block_p)), interpret=interpret,
         out_shape=sds(x.shape, x.dtype), compiler_params=params,
-    )(cstart, clen, x, dt, a, b, c, d, states)
+    )(cstart, clen, x, dt, a, c, d, cb, states)
     return y, ssm_pool
 
 
