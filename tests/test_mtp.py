@@ -160,3 +160,32 @@ def test_needs_an_mtp_head():
         with_seeded_mtp(get_preset("tiny_nemotron_h"), tiny_model()[1])
     with pytest.raises(ValueError, match="num_mtp_layers"):
         dataclasses.replace(tiny_model()[0], num_mtp_layers=2)
+
+
+def test_abort_and_failing_step(reference):
+    """An abort after verify rows and a step that raises leave nothing behind (lanes, slots,
+    pages, drafts), and the next request is still exact."""
+    eng = _engine(**MTP, **{"cache.page_size": 4})
+    sp = mc.SamplingParams(max_new_tokens=NEW)
+    rids = [eng.add_request(p, sp) for p in _prompts()]
+    while eng.metrics()["spec_verify_steps"] < 2:
+        eng.step()
+    eng.abort(rids[2])
+    real, calls = eng.runner.run, []
+
+    def flaky(scheduled):
+        calls.append(len(scheduled))
+        if len(calls) == 2:
+            raise RuntimeError("planted step failure")
+        return real(scheduled)
+
+    eng.runner.run = flaky
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert any(o.finish_reason == "error" for o in outs), outs
+    assert not eng.scheduler.speculative.drafter._drafts
+    eng.check_integrity()
+    again = eng.generate([_prompts()[0]], sp)
+    assert_same_outputs(again, reference[:1])
+    eng.check_integrity()
