@@ -4,8 +4,10 @@
 ``lru_state``) and returns JSON-able dicts; ``load_tree`` rebuilds an equivalent tree in a FRESH
 cache through its public API only (``alloc_pages`` / ``alloc_slots`` / ``insert`` /
 ``match_prefix``), with new page and slot ids, and returns the old -> new id maps so the caller
-can move the pool rows. Equivalent = the same states at the same token paths and the same state
-recency order; a tombstone with a single child is not recreated (matching is unaffected).
+can move the pool rows. Equivalent = the same states at the same token paths, each firm or
+speculative as it was, the same recency order of the firm states and of the speculative ones
+(evicted first, in their own order); a tombstone with a single child is not recreated (matching
+is unaffected).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def dump_tree(cache: Any) -> dict[str, Any]:
     """``{"page_size", "pages": [old page ids], "slots": [old slot ids], "states": [...]}``.
 
     ``states`` lists every node holding a state, least recently used first: ``{"extra_key",
-    "tokens": [ids of the whole path], "pages": [old page ids of the path], "slot": old slot}``.
+    "tokens": [ids of the whole path], "pages": [old page ids of the path], "slot": old slot,
+    "spec": speculative (kept while it pays, evicted first)}``.
     """
     roots = getattr(cache, "roots", None)
     if roots is None:  # the disabled cache holds nothing
@@ -61,6 +64,7 @@ def dump_tree(cache: Any) -> dict[str, Any]:
             "tokens": _path_tokens(node).tolist(),
             "pages": np.concatenate(path_pages).tolist() if path_pages else [],
             "slot": int(node.slot),
+            "spec": bool(node.spec),
         })
     return {"page_size": cache.page_size, "pages": sorted(pages),
             "slots": sorted(s["slot"] for s in states), "states": states}
@@ -88,14 +92,19 @@ def load_tree(cache: Any, tree: dict[str, Any]) -> tuple[dict[int, int], dict[in
             f"engine has {cache.available_pages()} pages and {cache.available_slots()} slots")
     page_map = dict(zip(old_pages, new_pages.tolist(), strict=True))
     slot_map = dict(zip(old_slots, new_slots.tolist(), strict=True))
-    by_depth = sorted(tree["states"], key=lambda s: len(s["tokens"]))
-    for s in by_depth:
+    firm = [s for s in tree["states"] if not s.get("spec", False)]
+    spec = [s for s in tree["states"] if s.get("spec", False)]
+    # Firm states by depth, then the speculative ones in their saved order (their slots marked
+    # speculative first: insert stores them so). A speculative node never gets a second child
+    # this way, so nothing promotes it, and the recency touches below end at firm nodes.
+    for s in sorted(firm, key=lambda s: len(s["tokens"])) + spec:
         pages = np.asarray([page_map[p] for p in s["pages"]], dtype=np.int32)
-        depth = len(s["tokens"])
-        res = cache.insert(s["tokens"], pages, snapshots={depth: slot_map[s["slot"]]},
-                           extra_key=s["extra_key"])
+        depth, slot = len(s["tokens"]), slot_map[s["slot"]]
+        if s.get("spec", False):
+            cache.spec_slots.add(slot)
+        res = cache.insert(s["tokens"], pages, snapshots={depth: slot}, extra_key=s["extra_key"])
         if res.kept_len != depth:
             raise ValueError(f"restoring the tree: state at depth {depth} was not kept")
-    for s in tree["states"]:  # recency: touch each state in the saved LRU order
+    for s in firm:  # recency: touch each firm state in the saved LRU order
         cache.match_prefix(list(s["tokens"]) + [0], extra_key=s["extra_key"])
     return page_map, slot_map
