@@ -30,11 +30,13 @@ Y_TOL = {"float32": 2e-5 if INTERPRET else 1e-4, "bfloat16": 2e-2}
 STATE_TOL = {"float32": 2e-5 if INTERPRET else 1e-4, "bfloat16": 1e-4}
 NAMES = ("x", "dt", "a", "b", "c", "d", "ssm_pool")
 
-# (lens, T, B, H, G, N, P, chunk). Every case snapshots every offset of every request.
+# (lens, T, B, H, G, N, P, chunk; None: the wrapper's default). Every case snapshots every
+# offset of every request.
 CASES = {
     "ragged16": ((37, 0, 21, 5), 72, 5, 4, 2, 16, 8, 16),
     "long64": ((70, 9), 88, 2, 2, 1, 16, 16, 64),
     "odd_dims32": ((33, 1), 40, 3, 3, 3, 24, 40, 32),
+    "default_chunk": ((140, 3), 150, 2, 2, 1, 16, 16, None),  # bf16 128, f32 64
 }
 
 
@@ -69,8 +71,8 @@ def _reference(name: str, dtype: str):
     return np.asarray(y, np.float32), np.asarray(pool)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name,dtype", [(n, d) for n in CASES for d in ("float32", "bfloat16")
+                                        if (n, d) != ("default_chunk", "float32")])  # = long64
 def test_gpu_ssd_extend_matches_reference_every_offset(name, dtype):
     case, x, chunk = _case(name)
     y, pool = gssd.ssd_extend(*_args(x, case, dtype), chunk_size=chunk, interpret=INTERPRET)

@@ -2,7 +2,7 @@
 offset; the pool is updated in place. Decode lives in ``gpu/ssd_decode.py`` (re-exported).
 
 Same contract as ``reference.ssd`` (state ``[H, N, P]`` f32 per slot; the chunked form is in
-``docs/kernels.md``). fla / mamba_ssm-style split into three launches, so that only an
+``docs/kernels.md``). fla / mamba_ssm-style split into four launches, so that only an
 elementwise recurrence (plus the rare target product) is sequential:
 
 1. ``_chunk_state_kernel``, grid ``(NC, H, P / BP)`` (parallel): each chunk's own state
@@ -11,8 +11,13 @@ elementwise recurrence (plus the rare target product) is sequential:
    tile, overwrites ``states[c]`` (in place) with the chunk's start state ``S0``, writes every
    target of the CSR table (finals, snapshots: ``S_r`` after any row r) into the pool, and
    moves on with ``S <- exp(g_last) S0 + dS``.
-3. ``_output_kernel``, grid ``(NC, H, P / BP)`` (parallel):
+3. ``_scores_kernel``, grid ``(NC, G)`` (parallel): ``C B^T`` once per chunk and group.
+4. ``_output_kernel``, grid ``(NC, H, P / BP)`` (parallel):
    ``y = exp(g) (C S0) + (exp(g_i - g_j) [j <= i] C B^T dt_j) x + D x``.
+
+HBM beyond the inputs: ``states`` ``[NC, H, N, P]`` f32 (written, read and rewritten, read:
+the largest traffic, hence chunks of 128 by default for narrow inputs) and ``C B^T``
+``[NC, G, BT, BT]`` f32.
 
 Dot operands (accumulation always f32): bf16 / f16 inputs go to the tensor cores as they are;
 f32 intermediates that multiply them are rounded to the input dtype for the output (y is in
@@ -49,7 +54,9 @@ _F32 = jnp.float32
 _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # exact fp32 (interpreted)
 F32_DOT = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # f32 inputs, compiled: 3 tf32 passes
 BLOCK_P = 64        # head-dim tile of the parallel kernels
-BLOCK_P_STATE = 32  # head-dim tile of the state pass (more programs for a memory-bound walk)
+BLOCK_P_STATE = 16  # head-dim tile of the state pass (more programs for a memory-bound walk)
+CHUNK_NARROW = 128  # default chunk, bf16 / f16 inputs: half the chunk states of 64 in HBM
+CHUNK_F32 = 64      # default chunk, f32 inputs (3-pass tf32 tiles of 128 spill: 339 at 128)
 NUM_WARPS = 8
 NUM_STAGES = 1
 
@@ -268,12 +275,16 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, cstart, clen, tstart, trow, t
 @functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
                    donate_argnames=("ssm_pool",))
 def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-               snap_offset, snap_slot, *, chunk_size: int = 64, interpret: bool = False):
+               snap_offset, snap_slot, *, chunk_size: int | None = None, interpret: bool = False):
     """Pallas Triton chunked prefill; the contract of ``ssd_extend_reference``. ``chunk_size``
-    must be a power of two >= 16 here (Triton tiles). x, B, C of one narrow dtype (bf16, f16)
-    feed the tensor cores as they are; otherwise all three are taken as f32.
-    Returns ``(y [T, H, P] in x.dtype, ssm_pool)``; padding tokens give 0."""
+    must be a power of two >= 16 here (Triton tiles; None: ``CHUNK_NARROW`` / ``CHUNK_F32``).
+    x, B, C of one narrow dtype (bf16, f16) feed the tensor cores as they are; otherwise all
+    three are taken as f32. Returns ``(y [T, H, P] in x.dtype, ssm_pool)``; padding tokens
+    give 0."""
     check_ssd(x, dt, a, b, c, d, ssm_pool)
+    narrow = x.dtype in (jnp.bfloat16, jnp.float16) and b.dtype == c.dtype == x.dtype
+    if chunk_size is None:
+        chunk_size = CHUNK_NARROW if narrow else CHUNK_F32
     check_chunk_size(chunk_size)
     check(chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
           f"chunk_size {chunk_size} must be a power of two >= 16 on GPU")
@@ -286,7 +297,6 @@ def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, s
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     cu = i32(cu_seqlens)
     cseq, loc, clen = chunk_spans(cu, num_tokens, chunk_size, num_chunks)
-    narrow = x.dtype in (jnp.bfloat16, jnp.float16) and b.dtype == c.dtype == x.dtype
     cdt = x.dtype if narrow else _F32
     y, ssm_pool = _extend_call(
         cu, i32(read_slot), chunk_off, cu[cseq] + loc, clen, tstart, trow, tslot,
