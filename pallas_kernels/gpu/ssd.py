@@ -15,9 +15,10 @@ elementwise recurrence (plus the rare target product) is sequential:
 4. ``_output_kernel``, grid ``(NC, H, P / BP)`` (parallel):
    ``y = exp(g) (C S0) + (exp(g_i - g_j) [j <= i] C B^T dt_j) x + D x``.
 
-HBM beyond the inputs: ``states`` ``[NC, H, N, P]`` f32 (written, read and rewritten, read:
-the largest traffic, hence chunks of 128 by default for narrow inputs) and ``C B^T``
-``[NC, G, BT, BT]`` f32.
+HBM beyond the inputs: the chunk states ``[NC, H, N, P]``, the largest traffic (hence chunks of
+128 by default for narrow inputs): ``dS`` f32 written and read once; ``S0`` written and read
+once, in the input dtype (narrow inputs: the output rounds it anyway; f32: over ``dS`` in
+place); and ``C B^T`` ``[NC, G, BT, BT]`` f32.
 
 Dot operands (accumulation always f32): bf16 / f16 inputs go to the tensor cores as they are;
 f32 intermediates that multiply them are rounded to the input dtype for the output (y is in
@@ -134,9 +135,9 @@ def _state_pass_kernel(cu_ref,      # [B+1] i32 packed sequence starts
                        dt_ref,      # [T, H] f32
                        a_ref,       # [H] f32
                        b_ref,       # [T, G, N]
-                       states_ref,  # [NC, H, N, P] f32 dS (alias of states_out)
+                       states_ref,  # [NC, H, N, P] f32 dS (f32 inputs: alias of states_out)
                        pool_ref,    # [S, H, N, P] f32 initial states (alias of pool_out)
-                       states_out,  # [NC, H, N, P] f32 out: the chunk start states S0
+                       states_out,  # [NC, H, N, P] out: chunk start states S0 (input dtype)
                        pool_out,    # [S, H, N, P] f32 finals and snapshots
                        *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
                        f32_dot):
@@ -156,7 +157,7 @@ def _state_pass_kernel(cu_ref,      # [B+1] i32 packed sequence starts
         g_last = _last(jnp.cumsum(dt * a_h), lane, bt)
         s_next = jnp.exp(g_last) * s0 + pltr.load(states_ref.at[cid, h, nidx, pidx], mask=smask,
                                                   other=0.0)
-        pltr.store(states_out.at[cid, h, nidx, pidx], s0, mask=smask)
+        pltr.store(states_out.at[cid, h, nidx, pidx], s0.astype(states_out.dtype), mask=smask)
 
         def write_target(j, carry):
             slot, r = tslot_ref[j], trow_ref[j]
@@ -210,7 +211,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                    c_ref,       # [T, G, N]
                    d_ref,       # [H] f32
                    cb_ref,      # [NC, G, BT, BT] f32 C B^T per chunk and group
-                   states_ref,  # [NC, H, N, P] f32 chunk start states
+                   states_ref,  # [NC, H, N, P] chunk start states (input dtype)
                    y_ref,       # [T, H, P] out (padding tokens left unwritten)
                    *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
                    f32_dot):
@@ -232,7 +233,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
     decay = jnp.exp(jnp.where(rows >= cols, g[:, None] - g[None, :], -jnp.inf))
     scores = (decay * cb * dt[None, :]).astype(x.dtype)
-    y = (jnp.exp(g)[:, None] * _mm(cm, s0.astype(x.dtype), f32_dot)
+    y = (jnp.exp(g)[:, None] * _mm(cm, s0, f32_dot)
          + _mm(scores, x, f32_dot) + d_ref[h] * x.astype(_F32))
     pltr.store(y_ref.at[tidx, h, pidx], y.astype(y_ref.dtype), mask=tile)
 
@@ -255,8 +256,9 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, cstart, clen, tstart, trow, t
     states, ssm_pool = pl.pallas_call(
         functools.partial(_state_pass_kernel, block_p=block_ps, **common),
         grid=(read_slot.shape[0], num_heads, pl.cdiv(p, block_ps)), interpret=interpret,
-        out_shape=[sds(states.shape, _F32), sds(ssm_pool.shape, ssm_pool.dtype)],
-        input_output_aliases={10: 0, 11: 1}, compiler_params=params,
+        out_shape=[sds(states.shape, x.dtype), sds(ssm_pool.shape, ssm_pool.dtype)],
+        input_output_aliases={10: 0, 11: 1} if x.dtype == _F32 else {11: 1},
+        compiler_params=params,
     )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, x, dt, a, b, states, ssm_pool)
     cb = pl.pallas_call(
         functools.partial(_scores_kernel, bt=chunk_size, block_n=common["block_n"],
