@@ -32,6 +32,7 @@ from pallas_kernels.reference import causal_conv1d as conv
 from pallas_kernels.reference import gated_delta_rule as gdr
 from pallas_kernels.reference import mla_attention as mla
 from pallas_kernels.reference import paged_attention as attn
+from pallas_kernels.reference import ssd as ssd_ref
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 
 # device_kind -> HBM bytes/s and dense peak FLOP/s per compute dtype (None: not published).
@@ -52,10 +53,12 @@ ROOFLINES = {
 COMPUTE_DTYPE = {
     "tpu": {"gated_delta_rule_extend": "float32", "gated_delta_rule_decode": "float32",
             "causal_conv1d_extend": "float32", "paged_attention": "float32",
-            "mla_attention": "float32", "mla_attention_decode": "float32"},
+            "mla_attention": "float32", "mla_attention_decode": "float32",
+            "ssd_extend": "float32"},
     "gpu": {"gated_delta_rule_extend": "tf32", "gated_delta_rule_decode": "float32",
             "causal_conv1d_extend": "float32", "paged_attention": "bfloat16",
-            "mla_attention": "bfloat16", "mla_attention_decode": "bfloat16"},
+            "mla_attention": "bfloat16", "mla_attention_decode": "bfloat16",
+            "ssd_extend": "bfloat16"},
 }
 
 
@@ -121,6 +124,30 @@ def _gdr_cases(size):
     return ext, dec
 
 
+def ssd_chunked_flops(num_tokens: int, num_seqs: int, h: int, g: int, n: int, p: int,
+                      chunk: int = 128) -> int:
+    """FLOPs of the chunked Mamba2 SSD prefill (padding chunks excluded): per (chunk, head) the
+    chunk's state ``B^T u``, ``C S0`` and the scores times x; ``C B^T`` per (chunk, group)."""
+    chunks = -(-num_tokens // chunk) + num_seqs - 1
+    per_head = 2 * chunk * n * p * 2 + 2 * chunk * chunk * p
+    return chunks * (h * per_head + g * 2 * chunk * chunk * n)
+
+
+def _ssd_case(size):
+    """Nemotron-H's Mamba2 mixer with ``--large`` (128 heads of 64, state 128, 8 groups), bf16."""
+    t, b, h, g, n, p = (4096, 8, 128, 8, 128, 64) if size == "large" else (256, 4, 4, 2, 16, 16)
+    rng = np.random.default_rng(4)
+    case = ragged_case(rng, [t // b] * b, num_tokens=t, num_seqs=b, snapshots=[(0, 7), (1, 64)])
+    bf16 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)  # noqa: E731
+    args = [bf16(t, h, p), jnp.asarray(rng.uniform(0.01, 0.5, (t, h)), jnp.float32),
+            -jnp.asarray(rng.uniform(0.5, 4.0, h), jnp.float32), bf16(t, g, n), bf16(t, g, n),
+            jnp.ones((h,), jnp.float32), jnp.zeros((case.num_slots, h, n, p), jnp.float32)]
+    state = h * n * p * 4
+    return dict(args=args + list(slot_args(case)), donate=6,
+                flops=ssd_chunked_flops(t, b, h, g, n, p),
+                bytes=2 * t * h * p * 2 + 2 * t * g * n * 2 + t * h * 4 + (2 * b + 2) * state)
+
+
 def _conv_case(size):
     t, b, c, kw = (4096, 8, 8192, 4) if size == "large" else (256, 4, 256, 4)
     rng = np.random.default_rng(1)
@@ -182,6 +209,8 @@ def run(size: str, iters: int) -> list[dict]:
         "paged_attention": (_attn_case(size), functools.partial(
             attn.paged_attention_reference, scale=0.0625), functools.partial(
             kern.paged_attention, scale=0.0625, interpret=interp)),
+        "ssd_extend": (_ssd_case(size), ssd_ref.ssd_extend_reference,
+                       functools.partial(kern.ssd_extend, interpret=interp)),
     }
     for name, decode in (("mla_attention", False), ("mla_attention_decode", True)):
         case = _mla_case(size, decode)

@@ -12,7 +12,7 @@ PY=${PYTHON:-python}
 BACKEND=$($PY -c "import jax; print(jax.default_backend(), jax.devices()[0].device_kind)")
 echo "backend: $BACKEND"
 case "$BACKEND" in
-  gpu*) FAMILY=gpu; TESTS="tests/test_kernels_gpu_gdr.py tests/test_kernels_gpu_conv.py tests/test_kernels_gpu_attention.py tests/test_kernels_mla.py" ;;
+  gpu*) FAMILY=gpu; TESTS="tests/test_kernels_gpu_gdr.py tests/test_kernels_gpu_conv.py tests/test_kernels_gpu_attention.py tests/test_kernels_mla.py tests/test_kernels_gpu_ssd.py" ;;
   tpu*) FAMILY=tpu; TESTS="tests/test_kernels_gdr.py tests/test_kernels_conv.py tests/test_kernels_attention.py" ;;
   *) echo "no accelerator: run the normal test suite instead (kernels interpreted)"; exit 1 ;;
 esac
@@ -25,7 +25,7 @@ PALLAS_INTERPRET=0 timeout 90 $PY -m pytest -q -p no:cacheprovider \
 echo "== lowering (TPU Mosaic and GPU Triton, from this host)"
 timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_lowering.py \
   tests/test_kernels_gpu_gdr.py tests/test_kernels_gpu_conv.py tests/test_kernels_gpu_attention.py \
-  tests/test_kernels_mla.py \
+  tests/test_kernels_mla.py tests/test_kernels_gpu_ssd.py \
   -k "lower" || status=1
 echo "== benchmark (kernel vs XLA-compiled reference, production sizes)"
 timeout 120 $PY -m pallas_kernels.bench --large --iters 5 || status=1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pallas_kernels.bench import ROOFLINES, gdr_chunked_flops, roofline
+from pallas_kernels.bench import ROOFLINES, gdr_chunked_flops, roofline, ssd_chunked_flops
 
 
 def test_roofline_tells_v5p_from_v5e_and_finds_gpus():
@@ -19,3 +19,12 @@ def test_chunked_flops_exceed_the_token_recurrence_count():
     assert 1.5 < ratio < 2.5
     # one more padding chunk per extra sequence
     assert gdr_chunked_flops(t, b + 1, hv, d, d) > gdr_chunked_flops(t, b, hv, d, d)
+
+
+def test_ssd_chunked_flops_exceed_the_token_recurrence_count():
+    """Nemotron-H's mixer (128 heads of 64, state 128, 8 groups): the chunked form does more
+    than the 6 N P FLOPs a token and head of the recurrence (the intra-chunk scores)."""
+    t, b, h, g, n, p = 4096, 8, 128, 8, 128, 64
+    ratio = ssd_chunked_flops(t, b, h, g, n, p) / (6 * t * h * n * p)
+    assert 1.0 < ratio < 2.0
+    assert ssd_chunked_flops(t, b + 1, h, g, n, p) > ssd_chunked_flops(t, b, h, g, n, p)
