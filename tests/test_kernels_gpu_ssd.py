@@ -40,10 +40,7 @@ CASES = {
 }
 
 
-def _case(name: str):
-    lens, t, b, h, g, n, p, chunk = CASES[name]
-    rng = np.random.default_rng(len(name))
-    snaps = [(i, off) for i, k in enumerate(lens) for off in range(k + 1)]
+def _build(rng, lens, t, b, h, g, n, p, snaps):
     case = ragged_case(rng, lens, num_tokens=t, num_seqs=b, snapshots=snaps)
     # kernels read a sequence's initial state at its first chunk: no read slot may be written
     written = set(case.write_slot.tolist()) | set(case.snap_slot.tolist()) | {0}
@@ -55,7 +52,13 @@ def _case(name: str):
     x = dict(x=rng.normal(0, 1, (t, h, p)), dt=rng.uniform(0.01, 0.6, (t, h)),
              a=-rng.uniform(0.5, 4.0, h), b=rng.normal(0, 1, (t, g, n)),
              c=rng.normal(0, 1, (t, g, n)), d=rng.normal(1, 0.5, h), ssm_pool=pool)
-    return case, {k: v.astype(np.float32) for k, v in x.items()}, chunk
+    return case, {k: v.astype(np.float32) for k, v in x.items()}
+
+
+def _case(name: str):
+    lens, t, b, h, g, n, p, chunk = CASES[name]
+    snaps = [(i, off) for i, k in enumerate(lens) for off in range(k + 1)]
+    return *_build(np.random.default_rng(len(name)), lens, t, b, h, g, n, p, snaps), chunk
 
 
 def _args(x: dict, case, dtype: str) -> list:
@@ -84,6 +87,31 @@ def test_gpu_ssd_extend_matches_reference_every_offset(name, dtype):
                                rtol=STATE_TOL[dtype])
     assert not np.any(np.asarray(pool)[0])
     assert not np.any(np.asarray(y, np.float32)[sum(case.lens):])  # padding tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_ssd_extend_random_layouts(seed):
+    """Random lengths (empty included), padding, snapshots anywhere, chunk 16 or 32, random
+    heads per group and odd N / P; bf16 for odd seeds."""
+    rng = np.random.default_rng(200 + seed)
+    b = int(rng.integers(1, 6))
+    lens = [int(k) for k in rng.integers(0, 45, size=b)]
+    t = max(sum(lens) + int(rng.integers(0, 9)), 1)
+    snaps = [(int(i), int(rng.integers(0, lens[i] + 1)))
+             for i in rng.integers(0, b, size=int(rng.integers(1, 9)))]
+    g = int(rng.integers(1, 3))
+    h, n, p = g * int(rng.integers(1, 3)), int(rng.choice([16, 24])), int(rng.choice([8, 40]))
+    case, x = _build(rng, lens, t, b + 1, h, g, n, p, snaps)
+    dtype = "bfloat16" if seed % 2 else "float32"
+    y_ref, pool_ref = jax.jit(ssd_extend_reference)(*_args(x, case, dtype))
+    y, pool = gssd.ssd_extend(*_args(x, case, dtype), chunk_size=int(rng.choice([16, 32])),
+                              interpret=INTERPRET)
+    tol = Y_TOL[dtype]
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32),
+                               atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool_ref), atol=STATE_TOL[dtype],
+                               rtol=STATE_TOL[dtype])
 
 
 def test_gpu_ssd_extend_rejects_bad_chunk():
