@@ -60,7 +60,7 @@ def _poison_unused_rows(k_pages, v_pages, seq_lens, table):
     (1, 8, 2, 128, "bfloat16", 4),      # 32-bit words of two heads, blocks of 4 positions
     (2, 8, 4, 128, "float32", 3),       # strided f32 rows, 4 heads
     (3, 6, 6, 128, "bfloat16", 2),      # 3 words per position
-    (4, 4, 1, 32, "float32", 2),        # one KV head (MLA's shape)
+    (8, 4, 1, 32, "float32", 2),        # one f32 KV head in 8-row pages: [L, D] buffers (MLA)
 ])
 def test_paged_attention_blocks_and_stale_rows(page_size, hq, hkv, d, dtype, ppb):
     """Several KV blocks per chunk and several chunks per sequence (the DMA chain across blocks

@@ -6,8 +6,9 @@ multiple of the dtype's packing; f32 and bf16): shape ``[L, Hkv / packing, packi
 32-bit view ``[L, Hkv / packing, 1, D]`` is row-major in rows of 128 lanes, so one
 sublane-strided load per 128-lane fold gathers a head (f32) or a bf16 head pair (even head in
 the low 16 bits) for all L positions in the MXU's native layout, with no relayout and no
-head-major pages. One f32 KV head (MLA): ``[L, D]``. Otherwise ``[L, Hkv, D]``, read as f32 and
-sliced (a relayout).
+head-major pages. One f32 KV head (MLA) in pages of 8k rows: ``[L, D]``. Otherwise
+``[L, Hkv, D]``, read as f32 and sliced (a relayout). Pages always split a buffer along whole
+tiles: one wait for the whole buffer counts exactly the bytes of its page DMAs.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ def _word_layout(num_kv_heads: int, head_dim: int, dtype) -> bool:
     return head_dim % 128 == 0 and num_kv_heads % packing == 0 and packing in (1, 2)
 
 
-def block_shape(span: int, num_kv_heads: int, head_dim: int, dtype) -> tuple[int, ...]:
+def block_shape(span: int, page_size: int, num_kv_heads: int, head_dim: int,
+                dtype) -> tuple[int, ...]:
     """One VMEM block buffer: ``[L, Hkv / packing, packing, D]`` on the fast path (the unit or
     packing second-minor dim makes its 32-bit view row-major in 128-lane rows); ``[L, D]`` for
-    one 32-bit KV head (MLA's latent rows); else ``[L, Hkv, D]``."""
+    one 32-bit KV head (MLA's latent rows) in pages of whole 8-row tiles; else
+    ``[L, Hkv, D]``. Pages split every layout along whole tiles, so one wait for the whole
+    buffer counts exactly the bytes of its page DMAs."""
     if _word_layout(num_kv_heads, head_dim, dtype):
         packing = _packing(dtype)
         return (span, num_kv_heads // packing, packing, head_dim)
-    if num_kv_heads == 1 and _packing(dtype) == 1:
+    if num_kv_heads == 1 and _packing(dtype) == 1 and page_size % 8 == 0:
         return (span, head_dim)
     return (span, num_kv_heads, head_dim)
 
