@@ -39,6 +39,7 @@ from pallas_kernels.gpu import mla_attention as _gpu_mla
 from pallas_kernels.gpu import paged_attention as _gpu_attn
 from pallas_kernels.gpu import ssd as _gpu_ssd
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode as _gpu_gdr_decode
+from pallas_kernels.gpu.kda_decode import kda_decode as _gpu_kda_decode
 from pallas_kernels.reference import causal_conv1d as _conv_ref
 from pallas_kernels.reference import gated_delta_rule as _gdr_ref
 from pallas_kernels.reference import kda as _kda_ref
@@ -67,7 +68,7 @@ FAMILIES = {
                            conv_decode=_gpu_conv.causal_conv1d_decode,
                            paged_attention=_gpu_attn.paged_attention,
                            mla_attention=_gpu_mla.mla_attention,
-                           kda_extend=_gpu_kda.kda_extend, kda_decode=_gpu_kda.kda_decode,
+                           kda_extend=_gpu_kda.kda_extend, kda_decode=_gpu_kda_decode,
                            ssd_extend=_gpu_ssd.ssd_extend, ssd_decode=_gpu_ssd.ssd_decode),
 }
 
