@@ -75,9 +75,10 @@ def test_every_kernel_compiles_for_v5e_v6e_and_sm90(tmp_path):
             assert all(k["u16_loads"] == 0 and k["vec_loads"] > 0 and k["spills"] == 0
                        for k in r["kernels"]), r
         if r["target"] == "sm_90" and r["case"] == "ssd_extend":
-            # four launches, all on tensor cores (the one-kernel version: 0 MMA, 126 / 183 spills)
-            assert all(k["hgmma"] + k["hmma"] > 0 and k["spills"] < 100
-                       for k in r["kernels"]), r
+            # products on tensor cores, the state pass elementwise (the one-kernel version: 0 MMA,
+            # 126 / 183 spills)
+            assert all((k["hgmma"] + k["hmma"] > 0) != (k["kernel"] == "_state_pass_kernel")
+                       and k["spills"] < 100 for k in r["kernels"]), r
 
 
 @pytest.mark.aot

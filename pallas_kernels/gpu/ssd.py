@@ -2,15 +2,14 @@
 offset; the pool is updated in place. Decode lives in ``gpu/ssd_decode.py`` (re-exported).
 
 Same contract as ``reference.ssd`` (state ``[H, N, P]`` f32 per slot; the chunked form is in
-``docs/kernels.md``). fla / mamba_ssm-style split into four launches, so that only an
-elementwise recurrence (plus the rare target product) is sequential:
+``docs/kernels.md``). fla / mamba_ssm-style split into five launches, so that only an
+elementwise recurrence is sequential:
 
 1. ``_chunk_state_kernel``, grid ``(NC, H, P / BP)`` (parallel): each chunk's own state
    contribution ``dS = B^T (exp(g_last - g) dt * x)`` ``[N, BP]``, into ``states``.
-2. ``_state_pass_kernel``, grid ``(B, H, P / BPS)``: walks a sequence's chunks carrying the state
-   tile, overwrites ``states[c]`` (in place) with the chunk's start state ``S0``, writes every
-   target of the CSR table (finals, snapshots: ``S_r`` after any row r) into the pool, and
-   moves on with ``S <- exp(g_last) S0 + dS``.
+2. ``ssd_state.state_pass``: the sequential pass over each sequence's chunks
+   (``S <- exp(g_last) S0 + dS``, the chunk start states ``S0``) and a parallel kernel over the
+   CSR targets (finals, snapshots: ``S_r`` after any row r), written into the pool in place.
 3. ``_scores_kernel``, grid ``(NC, G)`` (parallel): ``C B^T`` once per chunk and group.
 4. ``_output_kernel``, grid ``(NC, H, P / BP)`` (parallel):
    ``y = exp(g) (C S0) + (exp(g_i - g_j) [j <= i] C B^T dt_j) x + D x``.
@@ -47,6 +46,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16
 from pallas_kernels.gpu.ssd_decode import ssd_decode
+from pallas_kernels.gpu.ssd_state import last, load_chunk, mm, state_pass, weighted_bt_x
 from pallas_kernels.reference.ssd import check_ssd
 
 __all__ = ["ssd_decode", "ssd_extend"]
@@ -62,46 +62,6 @@ NUM_WARPS = 8
 NUM_STAGES = 1
 
 
-def _dot(a, b, precision, *, trans_a=False, trans_b=False):
-    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
-                               preferred_element_type=_F32)
-
-
-def _mm(a, b, f32_dot, **kw):
-    """``a @ b`` f32-accumulated: narrow operands as they are, f32 ones at ``f32_dot``."""
-    return _dot(a, b, None if a.dtype != _F32 else f32_dot, **kw)
-
-
-def _weighted_bt_x(bm, w, x, f32_dot):
-    """``(B * w[:, None])^T x`` ``[N, BP]`` f32. bm ``[BT, N]``, x ``[BT, BP]`` in the input
-    dtype, w ``[BT]`` f32; narrow inputs: the scaled B as two narrow terms ``hi + lo``."""
-    bw = bm.astype(_F32) * w[:, None]
-    if x.dtype == _F32:
-        return _dot(bw, x, f32_dot, trans_a=True)
-    hi = bw.astype(x.dtype)
-    lo = (bw - hi.astype(_F32)).astype(x.dtype)
-    return _dot(hi, x, None, trans_a=True) + _dot(lo, x, None, trans_a=True)
-
-
-def _last(v, lane, r):
-    """``v[r - 1]`` of a ``[BT]`` vector (0 for r = 0) by a masked sum (no scalar extract)."""
-    return jnp.sum(jnp.where(lane == r - 1, v, 0.0))
-
-
-def _load_chunk(b_ref, dt_ref, tok0, count, h, grp, a_h, *, bt, block_n, state_size):
-    """B ``[BT, block_n]`` (input dtype), dt and the in-chunk cumulative log decay ``g``
-    ``[BT]`` f32 of one chunk; rows >= count are zero (g flat there)."""
-    lane = jnp.arange(bt)
-    rmask = lane < count
-    nmask = jnp.arange(block_n) < state_size
-    tidx = pl.ds(tok0, bt)
-    bm = pltr.load(b_ref.at[tidx, grp, pl.ds(0, block_n)], mask=rmask[:, None] & nmask[None, :],
-                   other=0.0)
-    dt = pltr.load(dt_ref.at[tidx, h], mask=rmask, other=0.0)
-    return bm, dt, jnp.cumsum(dt * a_h), rmask
-
-
 def _chunk_state_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                         clen_ref,    # [NC] i32 tokens in each chunk (0: unused chunk)
                         x_ref,       # [T, H, P]
@@ -112,80 +72,17 @@ def _chunk_state_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                         *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
                         f32_dot):
     c, h, pt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bm, dt, g, rmask = _load_chunk(b_ref, dt_ref, cstart_ref[c], clen_ref[c], h,
+    bm, dt, g, rmask = load_chunk(b_ref, dt_ref, cstart_ref[c], clen_ref[c], h,
                                    jax.lax.div(h, group), a_ref[h], bt=bt, block_n=block_n,
                                    state_size=state_size)
     pmask = (pt * block_p + jnp.arange(block_p)) < x_ref.shape[2]
     pidx = pl.ds(pt * block_p, block_p)
     x = pltr.load(x_ref.at[pl.ds(cstart_ref[c], bt), h, pidx],
                   mask=rmask[:, None] & pmask[None, :], other=0.0)
-    w = jnp.exp(_last(g, jnp.arange(bt), bt) - g) * dt
+    w = jnp.exp(last(g, jnp.arange(bt), bt) - g) * dt
     nmask = jnp.arange(block_n) < state_size
-    pltr.store(states_ref.at[c, h, pl.ds(0, block_n), pidx], _weighted_bt_x(bm, w, x, f32_dot),
+    pltr.store(states_ref.at[c, h, pl.ds(0, block_n), pidx], weighted_bt_x(bm, w, x, f32_dot),
                mask=nmask[:, None] & pmask[None, :])
-
-
-def _state_pass_kernel(cu_ref,      # [B+1] i32 packed sequence starts
-                       read_ref,    # [B] i32 initial-state slot
-                       coff_ref,    # [B+1] i32 first chunk of each sequence (targets CSR row)
-                       tstart_ref,  # [NC+1] i32 targets CSR offsets per chunk
-                       trow_ref,    # [J] i32 state after this many chunk rows (0..BT)
-                       tslot_ref,   # [J] i32 destination slot (0 = dropped)
-                       x_ref,       # [T, H, P]
-                       dt_ref,      # [T, H] f32
-                       a_ref,       # [H] f32
-                       b_ref,       # [T, G, N]
-                       states_ref,  # [NC, H, N, P] f32 dS (f32 inputs: alias of states_out)
-                       pool_ref,    # [S, H, N, P] f32 initial states (alias of pool_out)
-                       states_out,  # [NC, H, N, P] out: chunk start states S0 (input dtype)
-                       pool_out,    # [S, H, N, P] f32 finals and snapshots
-                       *, bt: int, block_n: int, block_p: int, state_size: int, group: int,
-                       f32_dot):
-    b, h, pt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start, end = cu_ref[b], cu_ref[b + 1]
-    nmask = jnp.arange(block_n) < state_size
-    pmask = (pt * block_p + jnp.arange(block_p)) < x_ref.shape[2]
-    smask = nmask[:, None] & pmask[None, :]
-    nidx, pidx = pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
-    a_h, grp, lane = a_ref[h], jax.lax.div(h, group), jnp.arange(bt)
-    state0 = pltr.load(pool_ref.at[read_ref[b], h, nidx, pidx], mask=smask, other=0.0)
-
-    def chunk(c, s0):  # s0 [block_n, block_p] f32: the state at the chunk start
-        tok0, cid = start + c * bt, coff_ref[b] + c
-        count = jnp.minimum(end - tok0, bt)
-        dt = pltr.load(dt_ref.at[pl.ds(tok0, bt), h], mask=lane < count, other=0.0)
-        g_last = _last(jnp.cumsum(dt * a_h), lane, bt)
-        s_next = jnp.exp(g_last) * s0 + pltr.load(states_ref.at[cid, h, nidx, pidx], mask=smask,
-                                                  other=0.0)
-        pltr.store(states_out.at[cid, h, nidx, pidx], s0.astype(states_out.dtype), mask=smask)
-
-        def write_target(j, carry):
-            slot, r = tslot_ref[j], trow_ref[j]
-
-            @pl.when((slot > 0) & (r == 0))
-            def _initial():
-                pltr.store(pool_out.at[slot, h, nidx, pidx], s0, mask=smask)
-
-            @pl.when((slot > 0) & (r >= count))
-            def _end():
-                pltr.store(pool_out.at[slot, h, nidx, pidx], s_next, mask=smask)
-
-            @pl.when((slot > 0) & (r > 0) & (r < count))
-            def _inside():  # S_r = exp(g_r) S0 + B^T (exp(g_r - g) dt x)[:r]
-                bm, dtc, g, rmask = _load_chunk(b_ref, dt_ref, tok0, r, h, grp, a_h, bt=bt,
-                                                block_n=block_n, state_size=state_size)
-                x = pltr.load(x_ref.at[pl.ds(tok0, bt), h, pidx],
-                              mask=rmask[:, None] & pmask[None, :], other=0.0)
-                g_r = _last(g, lane, r)
-                s_r = jnp.exp(g_r) * s0 + _weighted_bt_x(bm, jnp.exp(g_r - g) * dtc, x, f32_dot)
-                pltr.store(pool_out.at[slot, h, nidx, pidx], s_r, mask=smask)
-
-            return carry
-
-        jax.lax.fori_loop(tstart_ref[cid], tstart_ref[cid + 1], write_target, 0)
-        return s_next
-
-    jax.lax.fori_loop(0, jax.lax.div(end - start + bt - 1, bt), chunk, state0)
 
 
 def _scores_kernel(cstart_ref,  # [NC] i32 first token of each chunk
@@ -200,7 +97,7 @@ def _scores_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     tidx, nidx = pl.ds(cstart_ref[c], bt), pl.ds(0, block_n)
     bm = pltr.load(b_ref.at[tidx, grp, nidx], mask=mask, other=0.0)
     cm = pltr.load(c_ref.at[tidx, grp, nidx], mask=mask, other=0.0)
-    pltr.store(cb_ref.at[c, grp, pl.ds(0, bt), pl.ds(0, bt)], _mm(cm, bm, f32_dot, trans_b=True))
+    pltr.store(cb_ref.at[c, grp, pl.ds(0, bt), pl.ds(0, bt)], mm(cm, bm, f32_dot, trans_b=True))
 
 
 def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
@@ -233,8 +130,8 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
     decay = jnp.exp(jnp.where(rows >= cols, g[:, None] - g[None, :], -jnp.inf))
     scores = (decay * cb * dt[None, :]).astype(x.dtype)
-    y = (jnp.exp(g)[:, None] * _mm(cm, s0, f32_dot)
-         + _mm(scores, x, f32_dot) + d_ref[h] * x.astype(_F32))
+    y = (jnp.exp(g)[:, None] * mm(cm, s0, f32_dot)
+         + mm(scores, x, f32_dot) + d_ref[h] * x.astype(_F32))
     pltr.store(y_ref.at[tidx, h, pidx], y.astype(y_ref.dtype), mask=tile)
 
 
@@ -253,13 +150,11 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, cstart, clen, tstart, trow, t
         grid=(num_chunks, num_heads, pl.cdiv(p, block_p)), interpret=interpret,
         out_shape=sds((num_chunks, num_heads, n, p), _F32), compiler_params=params,
     )(cstart, clen, x, dt, a, b)
-    states, ssm_pool = pl.pallas_call(
-        functools.partial(_state_pass_kernel, block_p=block_ps, **common),
-        grid=(read_slot.shape[0], num_heads, pl.cdiv(p, block_ps)), interpret=interpret,
-        out_shape=[sds(states.shape, x.dtype), sds(ssm_pool.shape, ssm_pool.dtype)],
-        input_output_aliases={10: 0, 11: 1} if x.dtype == _F32 else {11: 1},
-        compiler_params=params,
-    )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, x, dt, a, b, states, ssm_pool)
+    states, ssm_pool = state_pass(
+        cu_seqlens, read_slot, chunk_off, cstart, clen, tstart, trow, tslot, x, dt, a, b, states,
+        ssm_pool, chunk_size=chunk_size, block_n=common["block_n"], block_p=block_p,
+        block_p_state=block_ps, group=common["group"], f32_dot=common["f32_dot"], params=params,
+        interpret=interpret)
     cb = pl.pallas_call(
         functools.partial(_scores_kernel, bt=chunk_size, block_n=common["block_n"],
                           state_size=n, f32_dot=common["f32_dot"]),
