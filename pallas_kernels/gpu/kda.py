@@ -2,28 +2,29 @@
 (decode: ``gpu/kda_decode.py``).
 
 Same contracts as ``reference.kda``. Prefill is fla's chunk_kda split (the house pattern of
-``gpu/gated_delta_rule.py``) into three launches, so that only the state recurrence is
+``gpu/gated_delta_rule.py``) into four launches, so that only the state recurrence is
 sequential:
 
-1. ``_chunk_kernel``, grid ``(NC, H)`` (parallel), once per (chunk, head): the decayed grams
-   ``A[i, j] = beta_i sum_c k_i k_j exp(G_i - G_j)`` (j < i) and ``M[i, j] = sum_c q_i k_j
-   exp(G_i - G_j)`` (j <= i) by ``kda_chunk.decayed_gram`` (sub-chunks of 16 rows: no ``exp``
-   of a positive difference), ``X = (I + A)^-1`` (blocked, IEEE fp32), ``W = X (beta e^G k)``,
-   ``U = X (beta v)``; writes W, U and M.
-2. ``_state_kernel``, grid ``(B, H, Dv / BV)``: walks a sequence's chunks carrying the state
-   tile ``S [Dk, BV]`` f32: ``V' = U - W S``, records ``S`` at every chunk start, writes the
+1. ``_chunk_kernel``, grid ``(NC, H)`` (parallel), once per (chunk, head): ``A[i, j] = beta_i
+   sum_c k_i k_j exp(G_i - G_j)`` (j < i) by ``kda_chunk.decayed_gram`` (sub-chunks of 16 rows:
+   never an ``exp`` of a positive difference), ``X = (I + A)^-1`` (blocked), ``W = X (beta e^G
+   k)``, ``U = X (beta v)``.
+2. ``_scores_kernel``, grid ``(NC, H)`` (parallel): ``M[i, j] = sum_c q_i k_j exp(G_i - G_j)``
+   (j <= i), same factorisation.
+3. ``_state_kernel``, grid ``(B, H, Dv / BVS)``: walks a sequence's chunks carrying the state
+   tile ``S [Dk, BVS]`` f32: ``V' = U - W S``, records ``S`` at every chunk start, writes the
    states the CSR targets table asks for (finals and snapshots after any row r:
    ``S_r = diag(e^{G_r}) S + (k exp(G_r - G))^T V'`` over rows < r) into the pool in place.
-3. ``_output_kernel``, grid ``(NC, H, Dv / BV)`` (parallel): ``o = (q e^G) S + M V'``.
+4. ``_output_kernel``, grid ``(NC, H, Dv / BV)`` (parallel): ``o = (q e^G) S + M V'``.
 
-Operand precision: ``A`` and the inverse are IEEE fp32 (``_HIGHEST``: the inverse amplifies
-rounding); every other product (M's sub-chunk products, W, U, ``W S``, the state update, the
-output) is ``DOT_PRECISION`` (tf32 tensor cores on a GPU, exact fp32 interpreted): their
-operands are bounded (L2-normalised q, k times decay factors <= 1, the state) and they
-accumulate in fp32; the carried state stays f32. The in-chunk cumulative decays ``[T, H, Dk]``
-are summed by the wrapper per (sequence, chunk); rows past a sequence end take the chunk's
-last valid ``G`` (its minimum), never 0. Dk, Dv need not be powers of two: loads and stores
-are masked (padded key channels carry zero q, k and decay).
+Operand precision (f32 accumulation everywhere, the carried state f32): ``A`` and the inverse
+are IEEE fp32 dots (the inverse amplifies rounding). W, U and the state products run on tensor
+cores as 3-pass tf32 (``F32_DOT``, about fp32: a 1-pass tf32 W / U puts ~5e-4 into the states);
+M and the output products too for f32 inputs, 1-pass tf32 (``TF32_DOT``, ~2^-11 relative: ~2e-4
+on o, under a bf16 ulp) for bf16 / f16 inputs. Interpreted (CPU) every product is exact fp32.
+The in-chunk cumulative decays ``[T, H, Dk]`` are summed by the wrapper per (sequence, chunk);
+rows past a sequence end take the chunk's last valid ``G`` (its minimum), never 0. Dk, Dv need
+not be powers of two: loads and stores are masked (padded key channels carry zero q, k, decay).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ from pallas_kernels.reference.kda import check_kda
 
 _F32 = jnp.float32
 _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
-DOT_PRECISION = None  # tf32 (fp32 operands) tensor cores on a GPU
-BLOCK_V = 64          # value tile of the state and output kernels
+TF32_DOT = None  # one tf32 pass (fp32 operands) on GPU tensor cores: ~2^-11 relative
+F32_DOT = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # three tf32 passes: about fp32
+BLOCK_V = 64          # value tile of the output kernel
+BLOCK_V_STATE = 32    # value tile of the state pass (64 with 3-pass tf32: 255 regs, 104 spills)
 NUM_WARPS = 8
-CHUNK_WARPS = 8
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False, precision=DOT_PRECISION):
+def _dot(a, b, precision, *, trans_a=False, trans_b=False):
     dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
     return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
                                preferred_element_type=_F32)
@@ -93,8 +95,7 @@ def _chunk_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                   beta_ref,    # [T, H] f32
                   w_ref,       # [T, H, Dk] f32 out: W = X (beta e^G k)
                   u_ref,       # [T, H, Dv] f32 out: U = X (beta v)
-                  m_ref,       # [T, H, BT] f32 out: M, row i of the chunk at token i
-                  *, bt: int, head_k_dim: int, block_k: int, block_dv: int):
+                  *, bt: int, head_k_dim: int, block_k: int, block_dv: int, exact):
     c, h = pl.program_id(0), pl.program_id(1)
     tok0, count = cstart_ref[c], clen_ref[c]
     k, gcum = _load_kg(k_ref, g_ref, tok0, count, h, bt=bt, block_k=block_k,
@@ -105,17 +106,30 @@ def _chunk_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     inv = _unit_lower_inverse(
         beta * decayed_gram(k, k, gcum, inclusive=False, precision=_HIGHEST))
     kmask = jnp.arange(block_k) < head_k_dim
-    pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)], _dot(inv, beta * jnp.exp(gcum) * k),
+    pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)], _dot(inv, beta * jnp.exp(gcum) * k, exact),
                mask=rmask[:, None] & kmask[None, :])
     v = _load_rows(v_ref, tok0, count, h, bt=bt, block=block_dv, width=v_ref.shape[2])
     vmask = jnp.arange(block_dv) < v_ref.shape[2]
-    pltr.store(u_ref.at[tidx, h, pl.ds(0, block_dv)], _dot(inv, beta * v),
+    pltr.store(u_ref.at[tidx, h, pl.ds(0, block_dv)], _dot(inv, beta * v, exact),
                mask=rmask[:, None] & vmask[None, :])
+
+
+def _scores_kernel(cstart_ref,  # [NC] i32 first token of each chunk
+                   clen_ref,    # [NC] i32 tokens in each chunk (0 for unused chunks)
+                   q_ref,       # [T, H, Dk] raw q
+                   k_ref,       # [T, H, Dk] raw k
+                   g_ref,       # [T, H, Dk] f32 in-chunk cumulative log-decay
+                   m_ref,       # [T, H, BT] f32 out: M, row i of the chunk at token i
+                   *, bt: int, head_k_dim: int, block_k: int, fast):
+    c, h = pl.program_id(0), pl.program_id(1)
+    tok0, count = cstart_ref[c], clen_ref[c]
+    k, gcum = _load_kg(k_ref, g_ref, tok0, count, h, bt=bt, block_k=block_k,
+                       head_k_dim=head_k_dim)
     q = _l2norm_rows(_load_rows(q_ref, tok0, count, h, bt=bt, block=block_k,
                                 width=head_k_dim)) * head_k_dim ** -0.5
-    pltr.store(m_ref.at[tidx, h, pl.ds(0, bt)],
-               decayed_gram(q, k, gcum, inclusive=True, precision=DOT_PRECISION),
-               mask=rmask[:, None])
+    pltr.store(m_ref.at[pl.ds(tok0, bt), h, pl.ds(0, bt)],
+               decayed_gram(q, k, gcum, inclusive=True, precision=fast),
+               mask=(jnp.arange(bt) < count)[:, None])
 
 
 def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
@@ -132,7 +146,7 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
                   vnew_ref,    # [T, H, Dv] f32 out: V' = U - W S
                   hs_ref,      # [NC, H, Dk, Dv] f32 out: state at each chunk start
                   pool_out,    # [N, H, Dk, Dv] f32 finals and snapshots
-                  *, bt: int, head_k_dim: int, block_k: int, block_v: int):
+                  *, bt: int, head_k_dim: int, block_k: int, block_v: int, exact):
     b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = cu_ref[b], cu_ref[b + 1]
     kmask = jnp.arange(block_k) < head_k_dim
@@ -150,7 +164,7 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
         tidx, cid = pl.ds(tok0, bt), coff_ref[b] + c
         tile = (lane < count) & vmask[None, :]
         w = pltr.load(w_ref.at[tidx, h, kidx], mask=(lane < count) & kmask[None, :], other=0.0)
-        vnew = pltr.load(u_ref.at[tidx, h, vidx], mask=tile, other=0.0) - _dot(w, s0)
+        vnew = pltr.load(u_ref.at[tidx, h, vidx], mask=tile, other=0.0) - _dot(w, s0, exact)
         pltr.store(vnew_ref.at[tidx, h, vidx], vnew, mask=tile)
         pltr.store(hs_ref.at[cid, h, kidx, vidx], s0, mask=smask)
 
@@ -161,7 +175,7 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
             before = lane < r
             kw = jnp.where(before, k * jnp.exp(jnp.where(before, g_r[None, :] - gcum, 0.0)),
                            0.0)
-            return jnp.exp(g_r)[:, None] * s0 + _dot(kw, vnew, trans_a=True)
+            return jnp.exp(g_r)[:, None] * s0 + _dot(kw, vnew, exact, trans_a=True)
 
         def write_target(j, carry):
             slot = tslot_ref[j]
@@ -187,7 +201,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                    vnew_ref,    # [T, H, Dv] f32 corrected values V'
                    hs_ref,      # [NC, H, Dk, Dv] f32 state at each chunk start
                    o_ref,       # [T, H, Dv] out (padding tokens left unwritten)
-                   *, bt: int, head_k_dim: int, block_k: int, block_v: int):
+                   *, bt: int, head_k_dim: int, block_k: int, block_v: int, fast):
     c, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tok0, count = cstart_ref[c], clen_ref[c]
     kw = dict(bt=bt, block=block_k, width=head_k_dim)
@@ -201,7 +215,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     tile = (jnp.arange(bt) < count)[:, None] & vmask[None, :]
     vnew = pltr.load(vnew_ref.at[tidx, h, vidx], mask=tile, other=0.0)
     m = _load_rows(m_ref, tok0, count, h, bt=bt, block=bt, width=bt)
-    o = _dot(qg, s0) + _dot(m, vnew)
+    o = _dot(qg, s0, fast) + _dot(m, vnew, fast)
     pltr.store(o_ref.at[tidx, h, vidx], o.astype(o_ref.dtype), mask=tile)
 
 
@@ -222,29 +236,34 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v,
     dk = q.shape[-1]
     num_chunks = tstart.shape[0] - 1
     block_dv = pow2_at_least_16(dv)
-    block_v = min(BLOCK_V, block_dv)
+    block_v, block_vs = min(BLOCK_V, block_dv), min(BLOCK_V_STATE, block_dv)
     common = dict(bt=chunk_size, head_k_dim=dk, block_k=pow2_at_least_16(dk))
+    exact = _HIGHEST if interpret else F32_DOT  # the CPU has no tf32 passes
+    fast = exact if v.dtype == _F32 else TF32_DOT
     seq, loc, clen = chunk_spans(cu_seqlens, num_tokens, chunk_size, num_chunks)
     cstart = (cu_seqlens[seq] + loc).astype(jnp.int32)
     sds = jax.ShapeDtypeStruct
-    w, u, m = pl.pallas_call(
-        functools.partial(_chunk_kernel, block_dv=block_dv, **common),
-        grid=(num_chunks, num_heads), interpret=interpret,
-        compiler_params=pltr.CompilerParams(num_warps=CHUNK_WARPS, num_stages=1),
-        out_shape=[sds((num_tokens, num_heads, dk), _F32), sds((num_tokens, num_heads, dv), _F32),
-                   sds((num_tokens, num_heads, chunk_size), _F32)],
-    )(cstart, clen, q, k, v, gcum, beta)
     params = pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    w, u = pl.pallas_call(
+        functools.partial(_chunk_kernel, block_dv=block_dv, exact=exact, **common),
+        grid=(num_chunks, num_heads), interpret=interpret, compiler_params=params,
+        out_shape=[sds((num_tokens, num_heads, dk), _F32), sds((num_tokens, num_heads, dv), _F32)],
+    )(cstart, clen, q, k, v, gcum, beta)
+    m = pl.pallas_call(
+        functools.partial(_scores_kernel, fast=fast, **common),
+        grid=(num_chunks, num_heads), interpret=interpret, compiler_params=params,
+        out_shape=sds((num_tokens, num_heads, chunk_size), _F32),
+    )(cstart, clen, q, k, gcum)
     vnew, hs, ssm_pool = pl.pallas_call(
-        functools.partial(_state_kernel, block_v=block_v, **common),
-        grid=(read_slot.shape[0], num_heads, pl.cdiv(dv, block_v)), interpret=interpret,
+        functools.partial(_state_kernel, block_v=block_vs, exact=exact, **common),
+        grid=(read_slot.shape[0], num_heads, pl.cdiv(dv, block_vs)), interpret=interpret,
         out_shape=[sds((num_tokens, num_heads, dv), _F32),
                    sds((num_chunks, num_heads, dk, dv), _F32),
                    sds(ssm_pool.shape, ssm_pool.dtype)],
         input_output_aliases={10: 2}, compiler_params=params,
     )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, k, gcum, w, u, ssm_pool)
     o = pl.pallas_call(
-        functools.partial(_output_kernel, block_v=block_v, **common),
+        functools.partial(_output_kernel, block_v=block_v, fast=fast, **common),
         grid=(num_chunks, num_heads, pl.cdiv(dv, block_v)), interpret=interpret,
         out_shape=sds((num_tokens, num_heads, dv), v.dtype), compiler_params=params,
     )(cstart, clen, q, gcum, m, vnew, hs)
