@@ -36,6 +36,12 @@ def _l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
+def _inverse(lower):
+    """``(I + L)^-1`` of one chunk's strictly lower ``L [BT, BT]`` f32: the GDR inverse takes
+    chunks in pairs side by side in lanes; the partner here is zero (full lanes at BT 64)."""
+    return _unit_lower_inverse(jnp.stack([lower, jnp.zeros_like(lower)]))[0]
+
+
 def _kda_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # SMEM scalars
                       q_ref,      # [BT, Dk] raw q of this chunk and head
                       k_ref,      # [BT, Dk] raw k
@@ -58,8 +64,7 @@ def _kda_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
     k = _l2norm(k_ref[...].astype(_F32))
     gcum = g_ref[...]
     s0 = state_ref[...]
-    o, u = chunk_output(q, k, v_ref[...].astype(_F32), gcum, beta_ref[...], s0,
-                        _unit_lower_inverse)
+    o, u = chunk_output(q, k, v_ref[...].astype(_F32), gcum, beta_ref[...], s0, _inverse)
     o_ref[...] = o.astype(o_ref.dtype)
 
     write_state_targets(lambda r: state_after(r, k, gcum, u, s0), h=h, c=c, bt=bt,
