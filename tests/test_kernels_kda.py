@@ -3,19 +3,24 @@ families, interpreted on CPU) against the token-scan reference, with finals and 
 offset of ragged sequences; decode; strong decays that overflow a naive factorisation.
 
 Tolerances: fp32 outputs and states 1e-4 (chunked sums reorder fp32; measured ~1e-6); bf16
-inputs give bf16 outputs at 2e-2 (a bf16 ulp is 2^-8 relative), fp32 states at 1e-4.
+inputs give bf16 outputs at 2e-2 (a bf16 ulp is 2^-8 relative), fp32 states at 1e-4. The GPU
+prefill with its tensor-core (tf32) roundings emulated: fp32 outputs and states 1e-5.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ops
+from pallas_kernels import kda_chunk, ops
 from pallas_kernels.reference import kda as kda_ref
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 from pallas_kernels.tpu import kda as tpu_kda
+
+_exact_dot = kda_chunk.dot
+_HI = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 
 # (lens, T, B, H, Dk, Dv, chunk, snapshots); chunk 16 puts boundaries at 16, 32, ...
 CASES = [
@@ -119,6 +124,59 @@ def test_ops_dispatch_and_shape_errors():
     bad[3] = bad[3][..., 0]  # a per-head decay is the gated delta rule, not KDA
     with pytest.raises(ValueError, match="g"):
         ops.kda_extend(*bad, impl="reference")
+
+
+def _tf32(x):
+    """Round f32 to tf32 (10 mantissa bits, to nearest): a tensor-core operand."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _tf32_dot(passes: int):
+    """``gpu/kda._dot`` with tensor-core roundings: 1-pass tf32 for ``TF32_DOT`` (None), and the
+    ``F32_DOT`` products (exact fp32 when interpreted) as ``passes`` tf32 passes (3: hi/lo)."""
+    def dot(a, b, precision=None, *, trans_a=False, trans_b=False):
+        ah, bh = _tf32(a), _tf32(b)
+        terms = [(ah, bh)]
+        if precision is not None and passes == 3:
+            terms += [(ah, _tf32(b - bh)), (_tf32(a - ah), bh)]
+        return sum(_exact_dot(x, y, trans_a=trans_a, trans_b=trans_b, precision=_HI)
+                   for x, y in terms)
+    return dot
+
+
+def _gram_dot(passes: int):
+    """``kda_chunk.dot`` likewise: None (1-pass tf32) rounded, HIGHEST exact."""
+    def dot(a, b, *, trans_a=False, trans_b=False, precision=None):
+        if precision is None:
+            return _tf32_dot(passes)(a, b, None, trans_a=trans_a, trans_b=trans_b)
+        return _exact_dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+    return dot
+
+
+@pytest.mark.parametrize("passes", [3, 1])
+def test_gpu_extend_with_tf32_roundings_emulated(passes, monkeypatch):
+    """The GPU prefill (interpreted) with its tensor-core roundings emulated: 3-pass W, U and
+    state products keep fp32 outputs and the states within 1e-5 (measured 3e-7); the control, 1
+    pass, misses the 1e-4 state tolerance (measured 4.8e-4). A and the inverse stay exact, as
+    on the GPU (IEEE fp32); M's 3-pass products (``kda_chunk.dot`` at HIGHEST) too."""
+    gk = _gpu()
+    monkeypatch.setattr(gk, "_dot", _tf32_dot(passes))
+    monkeypatch.setattr(kda_chunk, "dot", _gram_dot(passes))
+    case, x, chunk = kda_inputs(0, "float32")
+    o_ref, pool_ref = kda_ref.kda_extend_reference(*args(case, x))
+    gk.kda_extend.clear_cache()  # trace with the emulated products, and drop that trace after
+    try:
+        o, pool = gk.kda_extend(*args(case, x), chunk_size=chunk, interpret=True)
+    finally:
+        gk.kda_extend.clear_cache()
+    err = float(np.abs(np.asarray(pool) - np.asarray(pool_ref)).max())
+    if passes == 3:
+        assert_close(o, o_ref, 1e-5)
+        assert err < 1e-5
+    else:
+        assert err > 1e-4
 
 
 def _gpu():
