@@ -8,13 +8,14 @@ sequential:
 1. ``_chunk_kernel``, grid ``(NC, H)`` (parallel), once per (chunk, head): ``A[i, j] = beta_i
    sum_c k_i k_j exp(G_i - G_j)`` (j < i) by ``kda_chunk.decayed_gram`` (sub-chunks of 16 rows:
    never an ``exp`` of a positive difference), ``X = (I + A)^-1`` (blocked), ``W = X (beta e^G
-   k)``, ``U = X (beta v)``.
+   k)``, ``U = X (beta v)`` and the state update's keys ``k exp(G_last - G)``.
 2. ``_scores_kernel``, grid ``(NC, H)`` (parallel): ``M[i, j] = sum_c q_i k_j exp(G_i - G_j)``
    (j <= i), same factorisation.
 3. ``_state_kernel``, grid ``(B, H, Dv / BVS)``: walks a sequence's chunks carrying the state
    tile ``S [Dk, BVS]`` f32: ``V' = U - W S``, records ``S`` at every chunk start, writes the
    states the CSR targets table asks for (finals and snapshots after any row r:
-   ``S_r = diag(e^{G_r}) S + (k exp(G_r - G))^T V'`` over rows < r) into the pool in place.
+   ``S_r = diag(e^{G_r}) S + (k exp(G_r - G))^T V'`` over rows < r) into the pool in place;
+   the carry ``S_last`` takes the chunk kernel's keys (no exp, no k or G tile here).
 4. ``_output_kernel``, grid ``(NC, H, Dv / BV)`` (parallel): ``o = (q e^G) S + M V'``.
 
 Operand precision (f32 accumulation everywhere, the carried state f32): ``A`` and the inverse
@@ -53,7 +54,7 @@ _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 TF32_DOT = None  # one tf32 pass (fp32 operands) on GPU tensor cores: ~2^-11 relative
 F32_DOT = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # three tf32 passes: about fp32
 BLOCK_V = 64          # value tile of the output kernel
-BLOCK_V_STATE = 32    # value tile of the state pass (64 with 3-pass tf32: 255 regs, 104 spills)
+BLOCK_V_STATE = 32    # value tile of the state pass (64: 39 spills in fp32; 32: none)
 NUM_WARPS = 8
 
 
@@ -95,6 +96,7 @@ def _chunk_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                   beta_ref,    # [T, H] f32
                   w_ref,       # [T, H, Dk] f32 out: W = X (beta e^G k)
                   u_ref,       # [T, H, Dv] f32 out: U = X (beta v)
+                  kd_ref,      # [T, H, Dk] f32 out: k exp(G_last - G), the state update's keys
                   *, bt: int, head_k_dim: int, block_k: int, block_dv: int, exact):
     c, h = pl.program_id(0), pl.program_id(1)
     tok0, count = cstart_ref[c], clen_ref[c]
@@ -107,6 +109,9 @@ def _chunk_kernel(cstart_ref,  # [NC] i32 first token of each chunk
         beta * decayed_gram(k, k, gcum, inclusive=False, precision=_HIGHEST))
     kmask = jnp.arange(block_k) < head_k_dim
     pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)], _dot(inv, beta * jnp.exp(gcum) * k, exact),
+               mask=rmask[:, None] & kmask[None, :])
+    g_last = jnp.min(gcum, axis=0, keepdims=True)  # the last valid row's G (G only falls)
+    pltr.store(kd_ref.at[tidx, h, pl.ds(0, block_k)], k * jnp.exp(g_last - gcum),
                mask=rmask[:, None] & kmask[None, :])
     v = _load_rows(v_ref, tok0, count, h, bt=bt, block=block_dv, width=v_ref.shape[2])
     vmask = jnp.arange(block_dv) < v_ref.shape[2]
@@ -142,6 +147,7 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
                   g_ref,       # [T, H, Dk] f32 in-chunk cumulative log-decay
                   w_ref,       # [T, H, Dk] f32
                   u_ref,       # [T, H, Dv] f32
+                  kd_ref,      # [T, H, Dk] f32 k exp(G_last - G)
                   pool_ref,    # [N, H, Dk, Dv] f32 initial states (alias of pool_out)
                   vnew_ref,    # [T, H, Dv] f32 out: V' = U - W S
                   hs_ref,      # [NC, H, Dk, Dv] f32 out: state at each chunk start
@@ -159,8 +165,6 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
     def chunk(c, s0):  # s0 [block_k, block_v] f32: state at the chunk start
         tok0 = start + c * bt
         count = jnp.minimum(end - tok0, bt)
-        k, gcum = _load_kg(k_ref, g_ref, tok0, count, h, bt=bt, block_k=block_k,
-                           head_k_dim=head_k_dim)
         tidx, cid = pl.ds(tok0, bt), coff_ref[b] + c
         tile = (lane < count) & vmask[None, :]
         w = pltr.load(w_ref.at[tidx, h, kidx], mask=(lane < count) & kmask[None, :], other=0.0)
@@ -168,10 +172,14 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
         pltr.store(vnew_ref.at[tidx, h, vidx], vnew, mask=tile)
         pltr.store(hs_ref.at[cid, h, kidx, vidx], s0, mask=smask)
 
+        def g_row(r):  # G after r rows (1..count) as [block_k]
+            return pltr.load(g_ref.at[tok0 + r - 1, h, kidx], mask=kmask, other=0.0)
+
         def state_after(r):  # rows past count add nothing: clamp r to a valid G row
             r = jnp.minimum(r, count)
-            g_r = pltr.load(g_ref.at[tok0 + jnp.maximum(r, 1) - 1, h, kidx],
-                            mask=kmask & (r > 0), other=0.0)            # [block_k]
+            k, gcum = _load_kg(k_ref, g_ref, tok0, count, h, bt=bt, block_k=block_k,
+                               head_k_dim=head_k_dim)
+            g_r = jnp.where(r > 0, g_row(jnp.maximum(r, 1)), 0.0)
             before = lane < r
             kw = jnp.where(before, k * jnp.exp(jnp.where(before, g_r[None, :] - gcum, 0.0)),
                            0.0)
@@ -188,7 +196,9 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
             return carry
 
         jax.lax.fori_loop(tstart_ref[cid], tstart_ref[cid + 1], write_target, 0)
-        return state_after(bt)
+        kd = pltr.load(kd_ref.at[tidx, h, kidx], mask=(lane < count) & kmask[None, :],
+                       other=0.0)
+        return jnp.exp(g_row(count))[:, None] * s0 + _dot(kd, vnew, exact, trans_a=True)
 
     jax.lax.fori_loop(0, jax.lax.div(end - start + bt - 1, bt), chunk, state0)
 
@@ -244,10 +254,11 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v,
     cstart = (cu_seqlens[seq] + loc).astype(jnp.int32)
     sds = jax.ShapeDtypeStruct
     params = pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
-    w, u = pl.pallas_call(
+    w, u, kd = pl.pallas_call(
         functools.partial(_chunk_kernel, block_dv=block_dv, exact=exact, **common),
         grid=(num_chunks, num_heads), interpret=interpret, compiler_params=params,
-        out_shape=[sds((num_tokens, num_heads, dk), _F32), sds((num_tokens, num_heads, dv), _F32)],
+        out_shape=[sds((num_tokens, num_heads, dk), _F32), sds((num_tokens, num_heads, dv), _F32),
+                   sds((num_tokens, num_heads, dk), _F32)],
     )(cstart, clen, q, k, v, gcum, beta)
     m = pl.pallas_call(
         functools.partial(_scores_kernel, fast=fast, **common),
@@ -260,8 +271,8 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v,
         out_shape=[sds((num_tokens, num_heads, dv), _F32),
                    sds((num_chunks, num_heads, dk, dv), _F32),
                    sds(ssm_pool.shape, ssm_pool.dtype)],
-        input_output_aliases={10: 2}, compiler_params=params,
-    )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, k, gcum, w, u, ssm_pool)
+        input_output_aliases={11: 2}, compiler_params=params,
+    )(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, k, gcum, w, u, kd, ssm_pool)
     o = pl.pallas_call(
         functools.partial(_output_kernel, block_v=block_v, fast=fast, **common),
         grid=(num_chunks, num_heads, pl.cdiv(dv, block_v)), interpret=interpret,
