@@ -89,7 +89,6 @@ def _load_kg(k_ref, g_ref, tok0, count, h, *, bt, block_k, head_k_dim):
 
 def _chunk_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                   clen_ref,    # [NC] i32 tokens in each chunk (0 for unused chunks)
-                  q_ref,       # [T, H, Dk] raw q
                   k_ref,       # [T, H, Dk] raw k
                   v_ref,       # [T, H, Dv]
                   g_ref,       # [T, H, Dk] f32 in-chunk cumulative log-decay
@@ -259,7 +258,7 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v,
         grid=(num_chunks, num_heads), interpret=interpret, compiler_params=params,
         out_shape=[sds((num_tokens, num_heads, dk), _F32), sds((num_tokens, num_heads, dv), _F32),
                    sds((num_tokens, num_heads, dk), _F32)],
-    )(cstart, clen, q, k, v, gcum, beta)
+    )(cstart, clen, k, v, gcum, beta)
     m = pl.pallas_call(
         functools.partial(_scores_kernel, fast=fast, **common),
         grid=(num_chunks, num_heads), interpret=interpret, compiler_params=params,
