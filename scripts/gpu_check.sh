@@ -19,6 +19,10 @@ esac
 status=0
 echo "== kernel tests, compiled (PALLAS_INTERPRET=0)"
 PALLAS_INTERPRET=0 timeout 150 $PY -m pytest -q -p no:cacheprovider $TESTS || status=1
+if [ "$FAMILY" = gpu ]; then  # the KDA file holds both families: its GPU half, compiled
+  PALLAS_INTERPRET=0 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_kda.py \
+    -k "gpu and not emulated" || status=1
+fi
 echo "== model: kernels=pallas (compiled) vs reference"
 PALLAS_INTERPRET=0 timeout 90 $PY -m pytest -q -p no:cacheprovider \
   tests/test_model_forward.py -k "pallas_kernels_match_reference and $FAMILY" || status=1

@@ -2,9 +2,10 @@
 families, interpreted on CPU) against the token-scan reference, with finals and snapshots at any
 offset of ragged sequences; decode; strong decays that overflow a naive factorisation.
 
-Tolerances: fp32 outputs and states 1e-4 (chunked sums reorder fp32; measured ~1e-6); bf16
-inputs give bf16 outputs at 2e-2 (a bf16 ulp is 2^-8 relative), fp32 states at 1e-4. The GPU
-prefill with its tensor-core (tf32) roundings emulated: fp32 outputs and states 1e-5.
+Interpreted unless on the family's own backend (``PALLAS_INTERPRET``; scripts/gpu_check.sh runs the
+GPU ones compiled). Tolerances: fp32 outputs and states 1e-4 (chunked sums reorder fp32; measured
+~1e-6); bf16 inputs give bf16 outputs at 2e-2 (a bf16 ulp is 2^-8 relative), fp32 states at 1e-4.
+The GPU prefill with its tensor-core (tf32) roundings emulated: fp32 outputs and states 1e-5.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda_chunk, ops
+from pallas_kernels._common import interpret_default
 from pallas_kernels.reference import kda as kda_ref
 from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 from pallas_kernels.tpu import kda as tpu_kda
@@ -91,7 +93,7 @@ def test_extend_kernel_equals_reference(family, case_idx, dtype, decay):
     case, x, chunk = kda_inputs(case_idx, dtype, decay)
     o_ref, pool_ref = kda_ref.kda_extend_reference(*args(case, x))
     fn = tpu_kda.kda_extend if family == "tpu" else _gpu().kda_extend
-    o, pool = fn(*args(case, x), chunk_size=chunk, interpret=True)
+    o, pool = fn(*args(case, x), chunk_size=chunk, interpret=interpret_default(family))
     assert np.isfinite(np.asarray(o, np.float32)).all()
     assert_close(o, o_ref, TOL[dtype])
     assert_close(pool, pool_ref, 1e-4)  # every target (finals, snapshots) and untouched slots
@@ -110,7 +112,8 @@ def test_decode_kernel_equals_reference(family):
     read, write = jnp.asarray([2, 0, 1], jnp.int32), jnp.asarray([3, 4, 0], jnp.int32)
     o_ref, p_ref = kda_ref.kda_decode_reference(q, k, v, g, beta, jnp.asarray(pool), read, write)
     fn = tpu_kda.kda_decode if family == "tpu" else _gpu_decode()
-    o, p = fn(q, k, v, g, beta, jnp.asarray(pool), read, write, interpret=True)
+    o, p = fn(q, k, v, g, beta, jnp.asarray(pool), read, write,
+              interpret=interpret_default(family))
     assert_close(o, o_ref, 1e-5)
     assert_close(p, p_ref, 1e-5)
 
