@@ -30,6 +30,7 @@ from pallas_kernels._common import interpret_default
 from pallas_kernels.ops import FAMILIES, kernel_family
 from pallas_kernels.reference import causal_conv1d as conv
 from pallas_kernels.reference import gated_delta_rule as gdr
+from pallas_kernels.reference import kda as kda_ref
 from pallas_kernels.reference import mla_attention as mla
 from pallas_kernels.reference import paged_attention as attn
 from pallas_kernels.reference import ssd as ssd_ref
@@ -49,16 +50,17 @@ ROOFLINES = {
     "H100": (3.35e12, {"bfloat16": 989e12, "tf32": 494e12, "float32": 67e12}),
 }
 # The dtype each kernel's FLOPs run in, per family: the Mosaic kernels compute in f32 (inputs
-# upcast); the Triton GDR products use tf32 tensor cores, its attention bf16 operands.
+# upcast); the Triton GDR products use tf32 tensor cores, its attention bf16 operands; the Triton
+# KDA products are tf32 too (W, U and the state products 3 passes: its %FLOP counts one).
 COMPUTE_DTYPE = {
     "tpu": {"gated_delta_rule_extend": "float32", "gated_delta_rule_decode": "float32",
             "causal_conv1d_extend": "float32", "paged_attention": "float32",
             "mla_attention": "float32", "mla_attention_decode": "float32",
-            "ssd_extend": "float32"},
+            "ssd_extend": "float32", "kda_extend": "float32"},
     "gpu": {"gated_delta_rule_extend": "tf32", "gated_delta_rule_decode": "float32",
             "causal_conv1d_extend": "float32", "paged_attention": "bfloat16",
             "mla_attention": "bfloat16", "mla_attention_decode": "bfloat16",
-            "ssd_extend": "bfloat16"},
+            "ssd_extend": "bfloat16", "kda_extend": "tf32"},
 }
 
 
@@ -148,6 +150,23 @@ def _ssd_case(size):
                 bytes=2 * t * h * p * 2 + 2 * t * g * n * 2 + t * h * 4 + (2 * b + 2) * state)
 
 
+def _kda_case(size):
+    """Kimi Linear's KDA with ``--large`` (32 heads of 128, a decay per key channel), bf16 q, k,
+    v; FLOPs as the gated delta rule's chunked count at the GPU kernel's chunk of 32."""
+    t, b, h, d = (4096, 8, 32, 128) if size == "large" else (256, 4, 4, 64)
+    rng = np.random.default_rng(5)
+    case = ragged_case(rng, [t // b - 3 * i for i in range(b)], num_tokens=t, num_seqs=b,
+                       snapshots=[(0, 7), (1, 64)])
+    x = gdr_inputs(rng, case, h, h, d, d)
+    x["g"] = np.log(rng.uniform(0.5, 1.0, (t, h, d))).astype(np.float32)
+    for n in "qkv":
+        x[n] = jnp.asarray(x[n], jnp.bfloat16)
+    state = h * d * d * 4
+    return dict(args=[x[n] for n in ("q", "k", "v", "g", "beta", "ssm_pool")]
+                + list(slot_args(case)), donate=5, flops=gdr_chunked_flops(t, b, h, d, d, 32),
+                bytes=4 * t * h * d * 2 + t * h * (d + 1) * 4 + (2 * b + 2) * state)
+
+
 def _conv_case(size):
     t, b, c, kw = (4096, 8, 8192, 4) if size == "large" else (256, 4, 256, 4)
     rng = np.random.default_rng(1)
@@ -211,6 +230,8 @@ def run(size: str, iters: int) -> list[dict]:
             kern.paged_attention, scale=0.0625, interpret=interp)),
         "ssd_extend": (_ssd_case(size), ssd_ref.ssd_extend_reference,
                        functools.partial(kern.ssd_extend, interpret=interp)),
+        "kda_extend": (_kda_case(size), kda_ref.kda_extend_reference,
+                       functools.partial(kern.kda_extend, interpret=interp)),
     }
     for name, decode in (("mla_attention", False), ("mla_attention_decode", True)):
         case = _mla_case(size, decode)
