@@ -120,6 +120,11 @@ class ModelRunner:
         self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
         self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts) for d in (False, True)}
         self.program_keys: set[tuple] = set()
+        # Start each step's copy back at dispatch, except on CPU: there the arrays already
+        # are host memory, and the copy's completion stalled the XLA thread while the host
+        # thread ran Python (multi_turn, 1 XLA thread: overlap 0.96x sync with it, 1.13x
+        # without; likely the callback waits for the GIL) [overlap]
+        self.copy_back = jax.tree_util.tree_leaves(pools)[0].devices().pop().platform != "cpu"
 
     # [parallel] tensor parallel: set by ``mambacache.parallel.mesh.shard_engine``
     def use_shardings(self, mesh: Any, pool_sh: Any) -> None:
@@ -183,7 +188,7 @@ class ModelRunner:
         out = self._fns[decode](self.params, self.pools, self.future, batch, sb, prev, *extra)
         self.pools, self.future, tokens, logprobs = out[:4]
         self.last_drafts = out[4] if self.num_drafts else None
-        for x in out[2:]:  # start the copy back now: the read finds them on the host
+        for x in out[2:] if self.copy_back else ():  # the read finds them on the host
             x.copy_to_host_async()
         return tokens, logprobs
 
