@@ -58,7 +58,20 @@ def _sample_row(logits: jax.Array, temp, top_k, top_p, seed, step):
     return token, logprobs[token]
 
 
+def _greedy_rows(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every row greedy: argmax and its log-probability, no sort of the vocabulary."""
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+
 def sample(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
-    """logits ``[L, V]`` -> tokens int32 ``[L]``, logprobs float32 ``[L]``."""
-    return jax.vmap(_sample_row)(logits.astype(jnp.float32), sb.temperature, sb.top_k, sb.top_p,
-                                 sb.seed, sb.step)
+    """logits ``[L, V]`` -> tokens int32 ``[L]``, logprobs float32 ``[L]``. A step whose rows
+    are all greedy (temperature 0) skips the per-row sort of the vocabulary (``lax.cond`` on
+    the device: one program either way); its tokens and logprobs are the same."""
+    logits = logits.astype(jnp.float32)
+
+    def full(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jax.vmap(_sample_row)(x, sb.temperature, sb.top_k, sb.top_p, sb.seed, sb.step)
+
+    return jax.lax.cond(jnp.all(sb.temperature <= 0), _greedy_rows, full, logits)
