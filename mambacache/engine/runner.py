@@ -124,7 +124,10 @@ class ModelRunner:
         # are host memory, and the copy's completion stalled the XLA thread while the host
         # thread ran Python (multi_turn, 1 XLA thread: overlap 0.96x sync with it, 1.13x
         # without; likely the callback waits for the GIL) [overlap]
-        self.copy_back = jax.tree_util.tree_leaves(pools)[0].devices().pop().platform != "cpu"
+        leaves = jax.tree_util.tree_leaves(pools)
+        platform = (next(iter(leaves[0].devices())).platform if leaves
+                    else jax.default_backend())
+        self.copy_back = platform != "cpu"
 
     # [parallel] tensor parallel: set by ``mambacache.parallel.mesh.shard_engine``
     def use_shardings(self, mesh: Any, pool_sh: Any) -> None:
