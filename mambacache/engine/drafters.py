@@ -85,7 +85,7 @@ class MtpDrafter(Drafter):
     """
 
     def __init__(self, cfg: SpeculativeConfig):
-        self.k = cfg.num_draft_tokens
+        del cfg  # the step makes ``speculative.num_draft_tokens`` drafts per row
         self._drafts: dict[int, list[int]] = {}
 
     def propose_for(self, req: Any, k: int) -> list[int]:
@@ -101,13 +101,12 @@ class MtpDrafter(Drafter):
         self._drafts.pop(request_id, None)
 
 
-def mtp_inputs(scheduled: Sequence[Any], num_tokens: int, num_seqs: int,
-               num_drafts: int) -> dict[str, np.ndarray]:
+def mtp_inputs(scheduled: Sequence[Any], num_tokens: int,
+               num_seqs: int) -> dict[str, np.ndarray]:
     """The host's part of ``models.mtp.mtp_draft``'s ``inputs`` for one step (packed like
     ``build_forward_batch``): per position the next token if known here (``next_ids``), else
     the logits row that samples it (``next_row``); the drafts of verify rows (``draft_ids``);
     per row the position drafting starts from (``first``, -1 for rows that sample nothing)."""
-    del num_drafts  # the device reads at most that many positions from ``first``
     next_ids = np.zeros(num_tokens, np.int32)
     next_row = np.full(num_tokens, -1, np.int32)
     draft_ids = np.full(num_tokens, -1, np.int32)

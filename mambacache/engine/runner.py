@@ -186,8 +186,7 @@ class ModelRunner:
         prev = future_index(seqs, shapes["num_tokens"])
         extra = ()
         if self.num_drafts:  # [speculative] the MTP head drafts for the next step
-            extra = (mtp_inputs(scheduled, shapes["num_tokens"], shapes["num_seqs"],
-                                self.num_drafts),)
+            extra = (mtp_inputs(scheduled, shapes["num_tokens"], shapes["num_seqs"]),)
         out = self._fns[decode](self.params, self.pools, self.future, batch, sb, prev, *extra)
         self.pools, self.future, tokens, logprobs = out[:4]
         self.last_drafts = out[4] if self.num_drafts else None
