@@ -11,6 +11,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NUM_DEVICES = 4
 
+#: The workload of the tensor-parallel workers (spliced into their scripts after ``import jax,
+#: numpy as np`` and ``import mambacache as mc``): pools, two prompts that share a 24-token
+#: system prompt, 5 new tokens each.
+TP_WORKLOAD = """
+assert len(jax.devices()) == 4, jax.devices()
+base = {"cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 16, "cache.page_size": 4,
+        "scheduler.max_running_requests": 4, "scheduler.chunked_prefill_size": 32,
+        "model.kernels": "reference"}
+rng = np.random.default_rng(0)
+system = rng.integers(0, 512, 24).tolist()
+prompts = [system + rng.integers(0, 512, n).tolist() for n in (5, 40)]
+sp = mc.SamplingParams(max_new_tokens=5)
+"""
+
+
+def assert_matches_one_device(ref: dict, got: dict) -> None:
+    """A TP run's ``tokens`` and ``cached`` equal one device's (with a hit), ``logprobs``
+    within 1e-4."""
+    assert got["tokens"] == ref["tokens"]
+    assert got["cached"] == ref["cached"] and got["cached"][-1] > 0
+    for a, b in zip(ref["logprobs"], got["logprobs"], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
+
 
 def start_worker(worker: str, *args: str, env: dict[str, str] | None = None,
                  unset: tuple[str, ...] = ()) -> subprocess.Popen:

@@ -11,7 +11,7 @@ import pytest
 
 from mambacache.parallel.mesh import param_spec, validate_tensor_parallel
 from models.presets import get_preset
-from tests.multidevice import run_worker
+from tests.multidevice import TP_WORKLOAD, assert_matches_one_device, run_worker
 
 _WORKER = """
 import json, re, sys, tempfile
@@ -23,16 +23,9 @@ from mambacache.parallel.mesh import make_mesh, per_device_bytes
 from models.params import init_params
 from models.presets import get_preset
 
-assert len(jax.devices()) == 4, jax.devices()
+""" + TP_WORKLOAD + """
 model_cfg = get_preset("tiny_qwen3_next_tp4")
 params = init_params(model_cfg, seed=3)
-base = {"cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 16, "cache.page_size": 4,
-        "scheduler.max_running_requests": 4, "scheduler.chunked_prefill_size": 32,
-        "model.kernels": "reference"}
-rng = np.random.default_rng(0)
-system = rng.integers(0, 512, 24).tolist()
-prompts = [system + rng.integers(0, 512, n).tolist() for n in (5, 40)]
-sp = mc.SamplingParams(max_new_tokens=5)
 result = {}
 hlo = {}
 
@@ -105,10 +98,7 @@ def mesh_run():
 @pytest.mark.parametrize("tp", ["2", "4"])
 def test_tensor_parallel_matches_one_device(mesh_run, tp):
     ref, got = mesh_run["1"], mesh_run[tp]
-    assert got["tokens"] == ref["tokens"]
-    assert got["cached"] == ref["cached"] and got["cached"][-1] > 0
-    for a, b in zip(ref["logprobs"], got["logprobs"], strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
+    assert_matches_one_device(ref, got)
     assert got["ssm_shard"][1] == 8 // int(tp)  # value heads split over the mesh
     # no device holds a whole expert tensor (gate_up [E=8, H=64, 2I=64], down [8, 32, 64]); the
     # one-device step does, which shows the HLO shapes are the ones searched for

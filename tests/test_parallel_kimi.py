@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multidevice import finish_worker, start_worker
+from tests.multidevice import TP_WORKLOAD, assert_matches_one_device, finish_worker, start_worker
 
 _WORKER = """
 import json
@@ -19,14 +19,7 @@ from mambacache.engine.engine import Engine
 from models.params import init_params
 from models.presets import get_preset
 
-assert len(jax.devices()) == 4, jax.devices()
-base = {"cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 16, "cache.page_size": 4,
-        "scheduler.max_running_requests": 4, "scheduler.chunked_prefill_size": 32,
-        "model.kernels": "reference"}
-rng = np.random.default_rng(0)
-system = rng.integers(0, 512, 24).tolist()
-prompts = [system + rng.integers(0, 512, n).tolist() for n in (5, 40)]
-sp = mc.SamplingParams(max_new_tokens=5)
+""" + TP_WORKLOAD + """
 model_cfg = get_preset("tiny_kimi_linear")
 params = init_params(model_cfg, seed=3)
 result = {}
@@ -55,10 +48,7 @@ def mesh_run():
 @pytest.mark.parametrize("tp", ["2", "4"])
 def test_tensor_parallel_matches_one_device(mesh_run, tp):
     ref, got = mesh_run["1"], mesh_run[tp]
-    assert got["tokens"] == ref["tokens"]
-    assert got["cached"] == ref["cached"] and got["cached"][-1] > 0
-    for a, b in zip(ref["logprobs"], got["logprobs"], strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
+    assert_matches_one_device(ref, got)
     assert got["ssm_shard"][1] == 4 // int(tp)  # KDA heads split over the mesh
     assert got["latent_shard"] == got["latent_whole"]  # the latent pages replicated
     assert got["latent_whole"][2:] == [1, 32 + 8] and got["num_v_pages"] == 0

@@ -13,7 +13,7 @@ import pytest
 
 from mambacache.parallel.mesh import validate_tensor_parallel
 from models.presets import get_preset
-from tests.multidevice import finish_worker, start_worker
+from tests.multidevice import TP_WORKLOAD, assert_matches_one_device, finish_worker, start_worker
 
 _WORKER = """
 import json
@@ -23,14 +23,7 @@ from mambacache.engine.engine import Engine
 from models.params import init_params
 from models.presets import get_preset
 
-assert len(jax.devices()) == 4, jax.devices()
-base = {"cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 16, "cache.page_size": 4,
-        "scheduler.max_running_requests": 4, "scheduler.chunked_prefill_size": 32,
-        "model.kernels": "reference"}
-rng = np.random.default_rng(0)
-system = rng.integers(0, 512, 24).tolist()
-prompts = [system + rng.integers(0, 512, n).tolist() for n in (5, 40)]
-sp = mc.SamplingParams(max_new_tokens=5)
+""" + TP_WORKLOAD + """
 result = {}
 for preset in ("tiny_nemotron_h", "tiny_granite_4_h"):
     model_cfg = get_preset(preset)
@@ -58,10 +51,7 @@ def mesh_run():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_matches_one_device(mesh_run, preset, tp):
     ref, got = mesh_run[f"{preset}/1"], mesh_run[f"{preset}/{tp}"]
-    assert got["tokens"] == ref["tokens"]
-    assert got["cached"] == ref["cached"] and got["cached"][-1] > 0
-    for a, b in zip(ref["logprobs"], got["logprobs"], strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
+    assert_matches_one_device(ref, got)
     assert got["ssm_shard"][1] == 8 // tp  # Mamba2 heads split over the mesh
 
 
