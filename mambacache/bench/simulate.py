@@ -1,6 +1,6 @@
 """Replay a request trace through the prefix cache without a model: hit rates and host cost.
 
-    python -m mambacache.simulate --trace requests.jsonl --config configs/x.toml \\
+    python -m mambacache.simulate --trace requests.jsonl --config configs/tiny_qwen3_next.toml \\
         [--set cache.page_size=16] [--concurrency 8] [--out result.json] [--check-integrity]
 
 A trace is JSON Lines, one request a line: ``{"prompt": [ids...], "output": [ids...]}``; the

@@ -3,7 +3,7 @@
 API (the engine calls exactly this; ids are numpy ``int32``, never ``jax.Array``)::
 
     cache = make_cache(enable=True, num_pages=..., num_slots=..., page_size=1, eviction="lru")
-    m = cache.match_prefix(prompt_ids, extra_key=None)  # MatchResult (radix_node.py)
+    m = cache.match_prefix(prompt_ids, extra_key=None)  # MatchResult (node.py)
     cache.lock(m.node)             # full lock on the path to the root + state lock on m.node
     slots = cache.alloc_slots(n)   # evicts per the policy; None when impossible (never raises)
     pages = cache.alloc_pages(n)
@@ -16,7 +16,7 @@ Semantics (and the fixes versus SGLang's ``MambaRadixCache``):
 * ``match_prefix`` is read-only except for refreshing the ONE node whose state it returns (no
   path refresh, no split). It walks the whole prompt (page by page), so an identical prompt hits
   up to the deepest state at or before ``len(prompt) - 1``: identical prompts hit.
-* ``insert`` (``radix_insert.py``) takes ownership of every page and slot passed: KV already in
+* ``insert`` (``insert.py``) takes ownership of every page and slot passed: KV already in
   the tree is freed (unless it is the tree's own page), KV past the deepest state of the sequence
   and the partial last page are freed, rejected snapshots are freed. Accepted snapshots heal
   tombstones or split edges. The tree keeps only whole pages; a leaf always ends in a state.
