@@ -128,10 +128,11 @@ class ModelConfig:
                  f"linear_num_key_heads ({self.linear_num_key_heads})")
         _require(isinstance(self.linear_conv_kernel_dim, int) and self.linear_conv_kernel_dim >= 2,
                  f"linear_conv_kernel_dim must be an int >= 2, got {self.linear_conv_kernel_dim!r}")
-        rot = self.rotary_dim
-        _require(0 < rot <= self.head_dim and rot % 2 == 0,
-                 f"rotary dim head_dim * partial_rotary_factor = {rot} must be even and in "
-                 f"(0, head_dim={self.head_dim}]")
+        if self.use_rope and not self.kv_lora_rank:  # MLA (Kimi Linear) is NoPE
+            rot = self.rotary_dim
+            _require(0 < rot <= self.head_dim and rot % 2 == 0,
+                     f"rotary dim head_dim * partial_rotary_factor = {rot} must be even and in "
+                     f"(0, head_dim={self.head_dim}]")
         _require(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if "dense" in self.mlp_types:
             _require(self.intermediate_size > 0,

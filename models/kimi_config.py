@@ -91,7 +91,8 @@ def kimi_from_hf(cls: type, hf: Mapping[str, Any]) -> Any:
         hidden_size=int(hf["hidden_size"]), layer_types=tuple(_layer_types(hf, lin, n)),
         mlp_types=_mlp_types(hf, n), num_attention_heads=attn_heads,
         num_key_value_heads=int(_get(hf, "num_key_value_heads", default=attn_heads)),
-        head_dim=nope + rope, linear_num_key_heads=heads, linear_num_value_heads=heads,
+        head_dim=nope + rope, use_rope=False,  # MLA is NoPE
+        linear_num_key_heads=heads, linear_num_value_heads=heads,
         linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
         linear_conv_kernel_dim=kernel, intermediate_size=int(hf.get("intermediate_size") or 0),
         num_experts=int(_get(hf, "num_experts", "num_local_experts")),

@@ -33,6 +33,14 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def hf_float(value: Any) -> float:
+    """A float as transformers writes it: a number, or ``{"__float__": "Infinity"}`` (its JSON
+    encoding of the non-finite floats since 5.x), or the strings ``"inf"`` / ``"Infinity"``."""
+    if isinstance(value, Mapping) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
 def _unsupported(hf: Mapping[str, Any], checks: dict[str, Any]) -> None:
     """``ValueError`` for every key whose value differs from the one we implement."""
     bad = {k: hf[k] for k, ok in checks.items() if k in hf and hf[k] is not None and hf[k] != ok}
@@ -124,7 +132,7 @@ def granite_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
              f"mamba_expand * hidden_size ({inner})")
     experts = int(hf.get("num_local_experts") or 0)
     shared = int(hf.get("shared_intermediate_size") or 0)
-    limit = tuple(float(v) for v in (hf.get("time_step_limit") or (0.0, _INF)))
+    limit = tuple(hf_float(v) for v in (hf.get("time_step_limit") or (0.0, _INF)))
     return dict(
         family="granitemoehybrid", layer_types=tuple(_MIXER[k] for k in kinds),
         mlp_types=("moe" if experts > 0 else "dense",) * n,

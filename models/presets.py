@@ -1,14 +1,40 @@
-"""Named toy configurations (seeded random init), small enough that a CPU step takes milliseconds.
+"""Named model configurations: tiny seeded-random ones and the published models' real sizes.
 
 ``tiny_qwen3_next`` is the embedded default: 4 layers in the 3:1 linear:full pattern, GQA,
-partial RoPE, a sparse MoE with a sigmoid-gated shared expert on every layer.
+partial RoPE, a sparse MoE with a sigmoid-gated shared expert on every layer. The tiny presets
+(``PRESETS``) are small enough that a CPU step takes milliseconds.
+
+Real-size presets (``REAL_PRESETS``: ``qwen3_next_80b_a3b``, ``nemotron_h_47b``,
+``kimi_linear_48b_a3b``, ...) are the published ``config.json`` files stored in
+``models/hf_configs/<name>.json``, parsed by ``ModelConfig.from_hf_config`` exactly as a
+checkpoint directory would be. They are for sizing (``models/sizes.py``), the simulator and the
+plan command: nothing allocates their weights (a seeded init of 80B parameters is not a test).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+from pathlib import Path
 
 from models.config import ModelConfig
+
+HF_CONFIG_DIR = Path(__file__).parent / "hf_configs"
+# name -> the published model it is (its Hugging Face id); the config is hf_configs/<name>.json
+REAL_PRESETS: dict[str, str] = {
+    "qwen3_next_80b_a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "qwen3_5_9b": "Qwen/Qwen3.5-9B",
+    "qwen3_5_35b_a3b": "Qwen/Qwen3.5-35B-A3B",
+    "nemotron_h_8b": "nvidia/Nemotron-H-8B-Base-8K",
+    "nemotron_h_47b": "nvidia/Nemotron-H-47B-Base-8K",
+    "nemotron_h_56b": "nvidia/Nemotron-H-56B-Base-8K",
+    "nemotron_3_nano_30b_a3b": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+    "granite_4_0_h_micro": "ibm-granite/granite-4.0-h-micro",
+    "granite_4_0_h_tiny": "ibm-granite/granite-4.0-h-tiny",
+    "granite_4_0_h_small": "ibm-granite/granite-4.0-h-small",
+    "kimi_linear_48b_a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
+}
 
 _PATTERN = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
 
@@ -84,8 +110,29 @@ PRESETS["tiny_kimi_linear"] = ModelConfig(
     rms_norm_eps=1e-5, max_position_embeddings=4096)
 
 
+def hf_config(name: str) -> dict:
+    """The stored ``config.json`` dict of the real-size preset ``name``."""
+    if name not in REAL_PRESETS:
+        raise ValueError(f"unknown real-size preset {name!r}; known: {sorted(REAL_PRESETS)}")
+    return json.loads((HF_CONFIG_DIR / f"{name}.json").read_text())
+
+
+@functools.cache
+def _real_preset(name: str) -> ModelConfig:
+    return ModelConfig.from_hf_config(hf_config(name))
+
+
+def is_real_preset(name: str) -> bool:
+    """Whether ``name`` is a published model's size (weights never initialised)."""
+    return name in REAL_PRESETS
+
+
 def get_preset(name: str) -> ModelConfig:
-    """The preset ``name``; a ``ValueError`` lists the known names otherwise."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
-    return PRESETS[name]
+    """The preset ``name`` (tiny or real-size); a ``ValueError`` lists the known names
+    otherwise."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in REAL_PRESETS:
+        return _real_preset(name)
+    raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)} and the "
+                     f"real-size {sorted(REAL_PRESETS)}")
