@@ -74,6 +74,21 @@ def validate_tensor_parallel(model_cfg: Any, tp: int, num_devices: int | None = 
                              f"({value})")
 
 
+def replicate_kv_heads(model_cfg: Any, tp: int) -> Any:
+    """``model_cfg`` with each KV head repeated ``tp / Hkv`` times when ``tp`` exceeds the KV
+    heads (Qwen3-Next: 2 KV heads at TP 8), so every device holds the one KV head its query
+    heads read (vLLM's rule); the same math with ``k`` / ``v`` columns repeated in
+    ``qkv_proj``. Unchanged when ``tp`` divides ``Hkv``, for MLA (one latent row, already
+    replicated) or when the repeat cannot be even."""
+    hkv, hq = model_cfg.num_key_value_heads, model_cfg.num_attention_heads
+    if (tp <= hkv or tp % hkv or hq % tp or model_cfg.kv_lora_rank
+            or not model_cfg.num_full_layers):
+        return model_cfg
+    import dataclasses
+
+    return dataclasses.replace(model_cfg, num_key_value_heads=tp)
+
+
 def make_mesh(tp: int, devices: list | None = None) -> Mesh:
     """A 1-D mesh over the first ``tp`` devices (all processes' devices, in global order)."""
     devices = list(jax.devices()) if devices is None else list(devices)

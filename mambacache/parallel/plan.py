@@ -1,0 +1,241 @@
+"""The plan: will this model, at this dtype and tensor parallelism, fit this topology with a cache?
+
+    python -m mambacache.plan --config C [--set k=v ...] --topology v6e:2x4 [--out plan.json]
+                              [--context-len N]
+
+For a TPU slice (``v5e:2x4``, ``v6e:2x2``, ``v5p:2x2x1``, ...) the engine's own step programs
+(``sizing.largest_step_shapes``: the widest prefill bucket and the decode bucket) are compiled
+with abstract, sharded params and pools on libtpu's compile-only devices (no chip); every
+number is then the compiler's, per device. For ``h200:N`` (no compiler on this host) weights and
+pools are exact arithmetic and the step's temporaries an estimate (``temp_source``). The cache
+gets ``cache.memory_fraction`` of what is left (``sizing.cache_budget_bytes``), split into state
+slots and KV tokens (``sizing.pool_sizes_from_budget``). A plan that cannot hold the weights and
+the step, or a budget whose pools hold fewer than ``max_running_requests`` + 1 state slots or
+one ``context_len`` of KV, does not fit: ``fits`` false and the reason with its numbers.
+
+Roofline: from ``cost_analysis()`` of the compiled programs (FLOPs and bytes accessed per device)
+and the chip's peak FLOPs / HBM bandwidth of the dtype: a compiler estimate, not a measurement;
+Pallas kernels count only where they declare a cost estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mambacache.config import EngineConfig
+from mambacache.parallel.topology import Topology, parse_topology
+
+GB = 10**9
+
+
+def load_model_config(cfg: EngineConfig) -> Any:
+    """The ``ModelConfig`` of ``model.path`` (a Hugging Face ``config.json`` or an Orbax
+    ``model.json``) or ``model.preset``; no weight is read."""
+    from models.config import ModelConfig
+    from models.presets import get_preset
+
+    if cfg.model.path is None:
+        return get_preset(cfg.model.preset)
+    root = Path(cfg.model.path)
+    if (root / "model.json").is_file():
+        return ModelConfig(**json.loads((root / "model.json").read_text())["model"])
+    if not (root / "config.json").is_file():
+        raise ValueError(f"model.path {str(root)!r} holds neither config.json nor model.json")
+    return ModelConfig.from_hf_config(json.loads((root / "config.json").read_text()))
+
+
+def _mesh_for(topo: Topology, tp: int):
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from mambacache.parallel.mesh import TP
+    from mambacache.parallel.topology import compile_devices
+
+    if topo.compiled:
+        devices = compile_devices(topo.name)
+    else:  # arithmetic: abstract shardings need a mesh of some tp devices; forced CPU ones do
+        import jax
+
+        devices = jax.devices("cpu")
+        if len(devices) < tp:
+            raise ValueError(f"{topo.name} by arithmetic needs {tp} CPU devices for the "
+                             f"shardings, have {len(devices)}: set XLA_FLAGS="
+                             f"--xla_force_host_platform_device_count={tp}")
+    return Mesh(np.asarray(devices[:tp]), (TP,))
+
+
+def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) -> dict[str, Any]:
+    """The plan for ``cfg`` on ``topology`` as one JSON-able dict (keys in the module doc and
+    ``docs/parallel.md``). ``ValueError`` for a config the topology cannot even shard."""
+    from mambacache.engine.loading import model_dtype
+    from mambacache.parallel import sizing
+    from mambacache.parallel.mesh import (
+        param_shardings,
+        replicate_kv_heads,
+        validate_tensor_parallel,
+    )
+
+    topo = parse_topology(topology)
+    tp = cfg.parallel.tensor_parallel
+    model_cfg = load_model_config(cfg)
+    context = int(context_len or model_cfg.max_position_embeddings)
+    model_cfg = dataclasses.replace(model_cfg, max_position_embeddings=context)
+    run_cfg = replicate_kv_heads(model_cfg, tp)
+    validate_tensor_parallel(run_cfg, tp, topo.num_devices)
+    mesh = _mesh_for(topo, tp)
+    dtype, page_size = model_dtype(cfg), cfg.cache.page_size
+    params = sizing.abstract_params(run_cfg, dtype)
+    weight_bytes = sizing.laid_out_bytes(params, param_shardings(params, mesh))
+    slot_bytes, page_bytes = sizing.unit_bytes(run_cfg, mesh, page_size, dtype)
+    shapes = sizing.largest_step_shapes(cfg, run_cfg)
+    if weight_bytes >= topo.chip.hbm_bytes:  # no compile can change the verdict
+        steps, source = _step_estimates(run_cfg, shapes, tp), "estimate (not compiled)"
+    elif topo.compiled:
+        steps, source = _step_costs(run_cfg, cfg, topo, shapes, params, mesh, dtype), "compiler"
+    else:
+        steps, source = _step_estimates(run_cfg, shapes, tp), "estimate"
+    step_bytes = max(s["temp_bytes"] + s["code_bytes"] for s in steps.values())
+    fraction = sizing.memory_fraction(cfg)
+    budget = sizing.cache_budget_bytes(topo.chip.hbm_bytes, weight_bytes, step_bytes, fraction)
+    slots, tokens = sizing.pool_sizes_from_budget(budget, slot_bytes, page_bytes,
+                                                  page_size=page_size)
+    out = dict(
+        model=cfg.model.path or cfg.model.preset, family=model_cfg.family, topology=topology,
+        chip=topo.chip.name, devices=topo.num_devices, tensor_parallel=tp, dtype=cfg.model.dtype,
+        compiled=source == "compiler", temp_source=source,
+        kv_heads_per_device=max(run_cfg.num_key_value_heads // tp, 1)
+        if not model_cfg.kv_lora_rank else 1,
+        hbm_bytes=topo.chip.hbm_bytes, weight_bytes=weight_bytes, step_bytes=step_bytes,
+        temp_bytes=max(s["temp_bytes"] for s in steps.values()), memory_fraction=fraction,
+        cache_budget_bytes=budget, state_slot_bytes=slot_bytes, kv_page_bytes=page_bytes,
+        kv_token_bytes=page_bytes / page_size,
+        num_mamba_slots=slots, num_kv_tokens=tokens, context_len=context,
+        max_running_requests=cfg.scheduler.max_running_requests, page_size=page_size,
+        programs=steps, roofline=roofline(steps, topo, cfg.model.dtype))
+    out["fits"], out["reason"] = verdict(out)
+    return out
+
+
+def _step_costs(model_cfg, cfg, topo, shapes, params, mesh, dtype) -> dict[str, dict]:
+    """Compile each step program (pools of a few pages and slots: their bytes are
+    ``unit_bytes`` arithmetic, and the compiled temporaries do not grow with them)."""
+    from mambacache.parallel import sizing
+
+    os.environ.setdefault("PALLAS_FAMILY", topo.chip.compiler or "tpu")
+    os.environ.setdefault("PALLAS_INTERPRET", "0")
+    slots = cfg.scheduler.max_running_requests + 1
+    pools = sizing.abstract_pools(model_cfg, 64, cfg.cache.page_size, slots, dtype)
+    kernels = "pallas" if cfg.model.kernels == "auto" else cfg.model.kernels
+    out = {}
+    for name, sh in shapes.items():
+        mem = sizing.compile_step(model_cfg, sh, params=params, pools=pools,
+                                  page_size=cfg.cache.page_size, kernels=kernels, mesh=mesh)
+        out[name] = dataclasses.asdict(mem) | {"shapes": dataclasses.asdict(sh)}
+    return out
+
+
+def _step_estimates(model_cfg, shapes, tp: int) -> dict[str, dict]:
+    """No compiler (GPU topologies): the largest step's temporaries by arithmetic, fp32
+    activations of ~8 hidden-wide and 3 widest-projection-wide buffers per token, the MoE's
+    top-k expansion and the logits (an estimate: ``temp_source`` says so)."""
+    c = model_cfg
+    widest = max(c.linear_conv_dim + c.linear_value_dim, 2 * c.intermediate_size,
+                 c.num_attention_heads * c.head_dim * 3) // tp
+    moe = c.num_experts_per_tok * 2 * c.moe_intermediate_size if c.num_experts else 0
+    out = {}
+    for name, sh in shapes.items():
+        per_token = 4 * (8 * c.hidden_size + 3 * widest + moe)
+        logits = 3 * 4 * sh.num_logits * c.vocab_size
+        out[name] = dict(temp_bytes=sh.num_tokens * per_token + logits, code_bytes=0,
+                         flops=0.0, bytes_accessed=0.0, optimal_seconds=0.0,
+                         shapes=dataclasses.asdict(sh))
+    return out
+
+
+def roofline(steps: dict[str, dict], topo: Topology, dtype: str) -> dict[str, Any]:
+    """Per program: ``max(flops / peak, bytes / bandwidth)`` seconds on one device of the
+    chip (a compiler estimate), decode steps per second and prefill tokens per second."""
+    chip, out = topo.chip, {"source": "compiler cost_analysis (estimate, not measured)"}
+    for name, s in steps.items():
+        if not s["flops"] and not s["bytes_accessed"]:
+            continue
+        t = max(s["flops"] / chip.peak_flops_per_s(dtype), s["bytes_accessed"]
+                / chip.hbm_bytes_per_s)
+        tokens = s["shapes"]["num_tokens"]
+        out[name] = dict(seconds=t, flops_seconds=s["flops"] / chip.peak_flops_per_s(dtype),
+                         hbm_seconds=s["bytes_accessed"] / chip.hbm_bytes_per_s,
+                         tokens_per_s=tokens / t if t > 0 else 0.0)
+    return out
+
+
+def verdict(p: dict[str, Any]) -> tuple[bool, str]:
+    """``(fits, reason)``: what does not fit, with the numbers (GB = 1e9 bytes, per device)."""
+    left = p["hbm_bytes"] - p["weight_bytes"] - p["step_bytes"]
+    head = (f"{p['model']} in {p['dtype']} at TP {p['tensor_parallel']} on {p['topology']}")
+    if left <= 0:
+        return False, (f"{head} does not fit: weights {p['weight_bytes'] / GB:.2f} GB + step "
+                       f"{p['step_bytes'] / GB:.2f} GB per device exceed the "
+                       f"{p['hbm_bytes'] / GB:.2f} GB of HBM by {-left / GB:.2f} GB")
+    need_slots = p["max_running_requests"] + 1
+    if p["state_slot_bytes"] and p["num_mamba_slots"] < need_slots:
+        return False, (f"{head}: the cache budget {p['cache_budget_bytes'] / GB:.3f} GB holds "
+                       f"{p['num_mamba_slots']} state slots of "
+                       f"{p['state_slot_bytes'] / 1e6:.2f} MB, fewer than max_running_requests"
+                       f" + 1 = {need_slots}")
+    if p["kv_token_bytes"] and p["num_kv_tokens"] < p["context_len"]:
+        return False, (f"{head}: the cache budget {p['cache_budget_bytes'] / GB:.3f} GB holds "
+                       f"{p['num_kv_tokens']} KV tokens, fewer than one context of "
+                       f"{p['context_len']}")
+    return True, ""
+
+
+def format_table(p: dict[str, Any]) -> str:
+    """The plan as a few aligned lines (per device; GB = 1e9 bytes)."""
+    rows = [
+        ("model", f"{p['model']} ({p['family']}), {p['dtype']}, TP {p['tensor_parallel']}"),
+        ("topology", f"{p['topology']}: {p['devices']} x {p['chip']}, "
+                     f"{'compiled (libtpu, no chip)' if p['compiled'] else 'arithmetic'}"),
+        ("HBM / device", f"{p['hbm_bytes'] / GB:.2f} GB"),
+        ("weights", f"{p['weight_bytes'] / GB:.2f} GB"),
+        ("step (temp+code)", f"{p['step_bytes'] / GB:.3f} GB ({p['temp_source']})"),
+        ("cache budget", f"{p['cache_budget_bytes'] / GB:.2f} GB "
+                         f"(memory_fraction {p['memory_fraction']})"),
+        ("state slot", f"{p['state_slot_bytes'] / 1e6:.2f} MB"),
+        ("KV token", f"{p['kv_token_bytes'] / 1e3:.2f} KB"),
+        ("num_mamba_slots", f"{p['num_mamba_slots']:,}"),
+        ("num_kv_tokens", f"{p['num_kv_tokens']:,}"),
+    ]
+    for name, r in p["roofline"].items():
+        if name in ("prefill", "decode"):
+            rows.append((f"{name} (estimate)", f"{r['seconds'] * 1e3:.2f} ms/step, "
+                                               f"{r['tokens_per_s']:,.0f} tokens/s"))
+    rows.append(("fits", "yes" if p["fits"] else f"NO: {p['reason']}"))
+    return "\n".join(f"{k:18s} {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from mambacache.config import parse_set_args
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="engine TOML (default: the embedded tiny config)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v5p:2x2x1, h200:8, ...")
+    ap.add_argument("--context-len", type=int, help="longest sequence (default: the model's)")
+    ap.add_argument("--out", help="write the plan here as one JSON object")
+    opts = ap.parse_args(argv)
+    try:
+        cfg = EngineConfig.load(opts.config, parse_set_args(opts.set))
+        result = plan(cfg, opts.topology, context_len=opts.context_len)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 1
+    print(format_table(result))
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(result, indent=1))
+    return 0 if result["fits"] else 1
