@@ -1,4 +1,5 @@
-"""Step widths follow the running batch on a ladder of powers of two (bounded programs)."""
+"""Decode widths follow the running batch on a ladder of powers of two; extend steps run at the
+widest (bounded programs: ``engine/buckets.py``)."""
 
 from __future__ import annotations
 
@@ -30,5 +31,8 @@ def test_three_requests_decode_in_four_rows_with_64_allowed():
                         mc.SamplingParams(max_new_tokens=4, temperature=0.0))
     assert all(len(o.output_token_ids) == 4 for o in outs)
     m = eng.metrics()
-    assert set(m["programs_per_width"]) == {4}, m["programs_per_width"]
+    # decode programs at width 4, the prefill (extend) at the one extend width, 64
+    assert set(m["programs_per_width"]) == {4, 64}, m["programs_per_width"]
+    decode = [k for k in eng.runner.program_keys if k[0]]
+    assert decode and all(dict(k[1:])["num_seqs"] == 4 for k in decode)
     assert 0.0 <= m["device_idle_share"] < 1.0

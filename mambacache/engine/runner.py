@@ -1,8 +1,10 @@
 """The jitted step: pad a step to shape buckets, run the model with the pools donated, sample.
 
 The host hands over ``SeqSpec``s (token ids, page ids, slots, snapshots); the runner packs them
-into a ``ForwardBatch`` whose shapes come from a small set of buckets, so a whole benchmark run
-compiles a bounded number of programs (``programs_compiled``).
+into a ``ForwardBatch`` whose shapes come from ``engine/buckets.py``: a configuration compiles a
+finite, known set of programs (``Buckets.program_set``), which ``warm`` compiles up front on
+dummy rows that write only the dump page 0 and the dropped slot 0. Every XLA compile made while
+running a step is counted where JAX makes it (``engine/compiles.py``): ``programs_compiled``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from mambacache.engine.batch import ForwardBatch, build_forward_batch
+from mambacache.engine.buckets import (
+    MIN_PAGE_BUCKET,
+    MIN_SEQ_BUCKET,
+    MIN_SNAPSHOT_BUCKET,
+    MIN_TOKEN_BUCKET,
+    Buckets,
+    StepShape,
+    bucket,
+)
+from mambacache.engine.compiles import CompileCounter
 from mambacache.engine.drafters import mtp_inputs
 from mambacache.engine.pools import PoolState
 from mambacache.engine.sampling import SamplingBatch, sample
@@ -25,16 +37,11 @@ from models.model import forward as model_forward
 from models.mtp import mtp_draft
 from pallas_kernels import ops
 
-MIN_TOKEN_BUCKET = 16
-MIN_PAGE_BUCKET = 64
-MIN_SNAPSHOT_BUCKET = 8
-MIN_SEQ_BUCKET = 4  # step widths: 4, 8, 16, ... up to max_running_requests (rounded up)
+__all__ = ["MIN_PAGE_BUCKET", "MIN_SEQ_BUCKET", "MIN_SNAPSHOT_BUCKET", "MIN_TOKEN_BUCKET",
+           "ModelRunner", "bucket", "jitted_sharded_step", "jitted_step"]
 
-
-def bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    n = max(int(n), minimum, 1)
-    return 1 << (n - 1).bit_length()
+#: the longest sequence a runner built without a model config pads extend steps for (tests)
+DEFAULT_MAX_SEQ_LEN = 4096
 
 
 def _step(params: Any, pools: PoolState, future: jax.Array, batch: ForwardBatch,
@@ -65,9 +72,7 @@ def jitted_step(cfg: Any, kernels: str, decode: bool, num_drafts: int = 0):
     """One jitted program family per (model config, kernels, decode, kernel family): engines over
     the same model share compiled programs. Pools (argument 1) are donated.
 
-    Buckets: tokens and pages per sequence are powers of two (at least ``MIN_TOKEN_BUCKET`` and
-    ``MIN_PAGE_BUCKET``), the sequence axis is always ``max_running_requests`` rounded up to a
-    power of two, snapshots a power of two (at least ``MIN_SNAPSHOT_BUCKET``).
+    One program per ``buckets.StepShape`` (and pool shapes).
     """
     return _jitted_step(cfg, kernels, decode, ops.kernel_family(), num_drafts)
 
@@ -106,20 +111,29 @@ class ModelRunner:
     """
 
     def __init__(self, model_cfg: Any, params: Any, pools: PoolState, *, kernels: str,
-                 page_size: int, max_seqs: int, num_drafts: int = 0):
+                 page_size: int, max_seqs: int, num_drafts: int = 0,
+                 buckets: Buckets | None = None):
         self.model_cfg = model_cfg
         self.params = params
         self.pools = pools
         self.page_size = page_size
         self.max_seqs = bucket(max_seqs, 1)
         self.kernels = kernels
+        # the shape rules; ``Engine.warmup`` narrows max_seq_len / max_step_tokens to a workload
+        self.buckets = buckets or Buckets(
+            page_size, self.max_seqs,
+            getattr(model_cfg, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN),
+            max_step_tokens=self.max_seqs)
+        # every XLA compile made inside ``run`` / ``copy_slots`` / ``warm`` (engine/compiles.py)
+        self.compiles = CompileCounter()
+        self.warm_compiles = CompileCounter()
         # [overlap] the last step's sampled tokens, on the device; threaded like the pools
         self.future = jnp.zeros(self.max_seqs, jnp.int32)
         # [speculative] MTP drafts per sequence made by each step (0: no MTP head runs)
         self.num_drafts = num_drafts
         self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
         self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts) for d in (False, True)}
-        self.program_keys: set[tuple] = set()
+        self.program_keys: set[tuple] = set()  # the step shapes requests ran (StepShape.key)
         # Start each step's copy back at dispatch, except on CPU: there the arrays already
         # are host memory, and the copy's completion stalled the XLA thread while the host
         # thread ran Python (multi_turn, 1 XLA thread: overlap 0.96x sync with it, 1.13x
@@ -141,25 +155,30 @@ class ModelRunner:
 
     @property
     def programs_compiled(self) -> int:
-        return len(self.program_keys)
+        """XLA compiles made while running steps (JAX's events; 0 once warm)."""
+        return self.compiles.compiles
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds of tracing, lowering and compiling while running steps."""
+        return self.compiles.seconds
 
     def programs_per_width(self) -> dict[int, int]:
-        """``{step width (sequences): programs run at that width}``."""
+        """``{step width (sequences): step shapes run at that width}``."""
         out: dict[int, int] = {}
         for key in self.program_keys:
             width = dict(key[1:])["num_seqs"]
             out[width] = out.get(width, 0) + 1
         return dict(sorted(out.items()))
 
+    def shape_for(self, scheduled: Sequence[ScheduledSeq]) -> StepShape:
+        """The bucket ``scheduled`` runs at (``engine/buckets.py``)."""
+        seqs = [s.spec for s in scheduled]
+        return self.buckets.shape(seqs, is_decode_step(seqs), len(logit_rows(scheduled)[0]))
+
     def shapes_for(self, seqs: Sequence[SeqSpec]) -> dict[str, int]:
-        num_tokens = sum(len(s.tokens) for s in seqs)
-        pages = max(-(-(s.prefix_len + len(s.tokens)) // self.page_size) for s in seqs)
-        num_snaps = sum(len(s.snapshots) for s in seqs)
-        # the width follows the batch on a ladder of powers of two (bounded programs)
-        num_seqs = min(bucket(len(seqs), MIN_SEQ_BUCKET), self.max_seqs)
-        return dict(num_tokens=bucket(num_tokens, MIN_TOKEN_BUCKET), num_seqs=num_seqs,
-                    num_pages_per_seq=bucket(pages, MIN_PAGE_BUCKET),
-                    num_snapshots=bucket(num_snaps, MIN_SNAPSHOT_BUCKET), num_logits=num_seqs)
+        """The padded sizes of ``seqs`` (one logits row each)."""
+        return self.buckets.shape(seqs, is_decode_step(seqs), len(seqs)).sizes()
 
     def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[jax.Array, jax.Array]:
         """One step over ``scheduled``: sampled tokens and logprobs, one per logits row
@@ -171,28 +190,44 @@ class ModelRunner:
         """
         seqs = [s.spec for s in scheduled]
         params, steps = logit_rows(scheduled)
-        decode = is_decode_step(seqs)
-        shapes = self.shapes_for(seqs)
-        # [speculative] verify rows take logits at every position: more rows than sequences
-        shapes["num_logits"] = max(shapes["num_logits"], bucket(len(params), 1))
-        if decode:
-            shapes.update(num_tokens=shapes["num_seqs"], num_snapshots=MIN_SNAPSHOT_BUCKET)
+        shape = self.buckets.shape(seqs, is_decode_step(seqs), len(params))
         # numpy in: the jitted call transfers the arrays in C++ (a jnp.asarray per field cost
         # about a third of the host's time per step, on the overlapped loop's critical path)
         batch = build_forward_batch(seqs, self.page_size, all_pages=self.num_drafts > 0,
-                                    as_numpy=True, **shapes)
-        sb = SamplingBatch.from_params(list(params), list(steps), shapes["num_logits"])
-        self.program_keys.add((decode, *sorted(shapes.items())))
-        prev = future_index(seqs, shapes["num_tokens"])
+                                    as_numpy=True, **shape.sizes())
+        sb = SamplingBatch.from_params(list(params), list(steps), shape.num_logits)
+        self.program_keys.add(shape.key)
+        prev = future_index(seqs, shape.num_tokens)
         extra = ()
         if self.num_drafts:  # [speculative] the MTP head drafts for the next step
-            extra = (mtp_inputs(scheduled, shapes["num_tokens"], shapes["num_seqs"]),)
-        out = self._fns[decode](self.params, self.pools, self.future, batch, sb, prev, *extra)
+            extra = (mtp_inputs(scheduled, shape.num_tokens, shape.num_seqs),)
+        with self.compiles.track():
+            out = self._fns[shape.decode](self.params, self.pools, self.future, batch, sb, prev,
+                                          *extra)
         self.pools, self.future, tokens, logprobs = out[:4]
         self.last_drafts = out[4] if self.num_drafts else None
         for x in out[2:] if self.copy_back else ():  # the read finds them on the host
             x.copy_to_host_async()
         return tokens, logprobs
+
+    def warm(self, shape: StepShape) -> None:
+        """Compile (and run once) the step program of ``shape`` on dummy rows: each reads and
+        writes only the dump page 0 and slot 0 (the zero state, whose writes are dropped), so
+        no cached page or state changes. Call it only while no step is in flight (the
+        ``future`` row 0 it overwrites is read by no later step)."""
+        n = shape.num_seqs if shape.decode else 1
+        seqs = [SeqSpec(tokens=[0], prefix_len=0, page_ids=[0], read_slot=0, write_slot=0)
+                for _ in range(n)]
+        batch = build_forward_batch(seqs, self.page_size, all_pages=self.num_drafts > 0,
+                                    as_numpy=True, **shape.sizes())
+        sb = SamplingBatch.from_params([], [], shape.num_logits)
+        prev = np.full(shape.num_tokens, -1, np.int32)
+        extra = (mtp_inputs([], shape.num_tokens, shape.num_seqs),) if self.num_drafts else ()
+        with self.warm_compiles.track():
+            out = self._fns[shape.decode](self.params, self.pools, self.future, batch, sb, prev,
+                                          *extra)
+            self.pools, self.future = out[:2]
+            jax.block_until_ready(out[2])
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """[speculative] ``pools[dst] <- pools[src]`` for every (src, dst) state slot pair, conv
@@ -200,8 +235,11 @@ class ModelRunner:
         adopts). Dispatched like a step: ordered by the pools' data dependency."""
         width = bucket(len(pairs), self.max_seqs)
         idx = np.zeros((2, width), np.int32)
-        idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
-        self.pools = _copy_slots_fn()(self.pools, idx[0], idx[1])
+        if pairs:
+            idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+        counter = self.compiles if pairs else self.warm_compiles  # no pairs: the warm-up's
+        with counter.track():
+            self.pools = _copy_slots_fn()(self.pools, idx[0], idx[1])
 
     def pools_lost(self) -> bool:
         """True if a failed step consumed the donated pools (they must be rebuilt)."""
