@@ -300,6 +300,15 @@ class Engine:
         self.stats.failed_steps += 1
         return outs
 
+    def warmup(self, max_seq_len: int | None = None) -> dict[str, Any]:
+        """Compile every step program this configuration can run (sequences up to
+        ``max_seq_len`` tokens; default the model's context) on an idle engine, leaving its
+        cache, pools and metrics as they were (``engine/warmup.py``). Returns ``programs``,
+        ``compiles`` (XLA compiles JAX reported), ``compile_s``, ``seconds``."""
+        from mambacache.engine.warmup import warmup
+
+        return warmup(self, max_seq_len)
+
     # ---- [parallel] warm restarts: mambacache/checkpoint.py -------------------------------------
     def save(self, path: str) -> None:
         """Save the whole cache (tree + the pool rows it owns) to directory ``path``; idle only."""
