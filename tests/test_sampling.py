@@ -6,8 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import mambacache as mc
+import mambacache.engine.sampling_params
 from mambacache.engine.sampling import SamplingBatch, _sample_row, sample
 
 
@@ -35,3 +37,45 @@ def test_mixed_step_samples_its_tempered_rows():
         assert int(tokens[0]) == int(jnp.argmax(logits[0]))
         seen.add(int(tokens[1]))
     assert len(seen) > 5, seen
+
+
+# ---- validation (issue 24): every field bounded and typed, numpy ints in, bools out --------
+def test_sampling_params_accept_numpy_ints_and_reject_bools_strings_floats():
+    p = mc.SamplingParams(max_new_tokens=np.int64(8), top_k=np.int32(5), seed=np.uint16(3),
+                          temperature=np.float32(0.5), stop_token_ids=[np.int64(7), 9])
+    assert (p.max_new_tokens, p.top_k, p.seed, p.stop_token_ids) == (8, 5, 3, (7, 9))
+    assert type(p.max_new_tokens) is int and type(p.temperature) is float
+    bad = [  # (kwargs, words of the message)
+        ({"max_new_tokens": True}, ["max_new_tokens", "int", "True"]),
+        ({"max_new_tokens": 0}, ["max_new_tokens", "[1, 1048576]", "0"]),
+        ({"temperature": "0.5"}, ["temperature", "number", "'0.5'"]),
+        ({"temperature": float("nan")}, ["temperature", "[0, 100]"]),
+        ({"top_k": 2**40}, ["top_k", "1099511627776", str(mc.engine.sampling_params.TOP_K_LIMIT)]),
+        ({"top_k": -1}, ["top_k", "[0, 1048576]"]),
+        ({"top_p": 0.0}, ["top_p", "(0, 1]"]),
+        ({"seed": 2**31}, ["seed", "[0, 2147483647]", "2147483648"]),
+        ({"stop_token_ids": (3.7,)}, ["stop_token_ids[0]", "int", "3.7"]),
+        ({"stop_token_ids": (True,)}, ["stop_token_ids[0]", "int"]),
+        ({"stop_token_ids": (-1,)}, ["stop_token_ids[0]", "[0, 2147483647]"]),
+        ({"stop_token_ids": "ab"}, ["stop_token_ids", "sequence"]),
+        ({"stop_token_ids": tuple(range(2000))}, ["stop_token_ids", "2000", "1024"]),
+        ({"ignore_eos": 1}, ["ignore_eos", "bool"]),
+    ]
+    for kwargs, words in bad:
+        with pytest.raises(ValueError) as info:
+            mc.SamplingParams(**kwargs)
+        msg = str(info.value)
+        assert "SamplingParams(" not in msg, msg  # names the field, does not dump the object
+        for word in words:
+            assert word in msg, (kwargs, msg)
+
+
+def test_a_row_that_cannot_be_packed_as_is_still_packs():
+    """Even a SamplingParams whose checks were bypassed packs (top_k clipped: a top_k at or
+    past the vocabulary is no limit), so one row can never fail its step's packing."""
+    wild = mc.SamplingParams(temperature=1.0)
+    object.__setattr__(wild, "top_k", 2**40)
+    sb = SamplingBatch.from_params([mc.SamplingParams(), wild], [0, 0], 4)
+    assert sb.top_k.dtype == np.int32 and int(sb.top_k[1]) == np.iinfo(np.int32).max
+    tokens, _ = jax.jit(sample)(_logits(rows=4), sb)
+    assert tokens.shape == (4,)

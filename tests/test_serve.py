@@ -152,8 +152,16 @@ BAD = [  # (body, param, words the message must contain)
     ({"prompt": ["a", "b"]}, "prompt", ["batch of 2", "1 per request"]),
     ({"prompt": [1, 600]}, "prompt", ["600", "[0, 512)"]),
     ({"prompt": "y" * 5000}, "prompt", ["5000", "context length 4096"]),
-    ({"prompt": "x", "max_tokens": 5000}, "prompt", ["max_new_tokens (5000)", "4096"]),
+    ({"prompt": "x", "max_tokens": 5000}, "prompt", ["max_tokens (5000)", "4096"]),
     ({"prompt": "z" * 3990, "max_tokens": 50}, "prompt", ["4040", "KV pool of 4000 tokens"]),
+    # issue 24: every sampling field bounded, named by its HTTP name, no internals dumped
+    ({"prompt": "x", "top_k": 2**40}, "top_k", ["less than or equal to 1048576"]),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", ["less than or equal to 1048576"]),
+    ({"prompt": "x", "max_tokens": 1e9}, "max_tokens", ["integer"]),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature", ["number"]),
+    ({"prompt": "x", "stop_token_ids": [3.7]}, "stop_token_ids[0]", ["integer"]),
+    ({"prompt": "x", "stop_token_ids": [600]}, "stop_token_ids", ["600", "[0, 512)"]),
+    ({"prompt": "x", "stop": ["s"] * 1000}, "stop", ["1000 stop strings", "limit is 16"]),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages", ["at least 1"]),
@@ -176,6 +184,23 @@ def test_bad_input_is_a_400(srv, path, body, param, words):
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     for word in words:
         assert word in err["message"], err
+    assert "SamplingParams" not in err["message"] and "max_new_tokens" not in err["message"], err
+
+
+def test_one_unbounded_top_k_among_six_fails_alone(srv):
+    """Six requests sent together, one with top_k 2^40 (it overflowed int32 when its step was
+    packed, and the failed step failed all six): five complete, that one is a 400."""
+    bodies = [{"model": MODEL, "prompt": f"tenant {i}", "max_tokens": 4, "temperature": 0.7,
+               "seed": i, "top_k": 2**40 if i == 3 else 5} for i in range(6)]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+
+    codes = [r.status_code for r in asyncio.run(main())]
+    assert codes == [200, 200, 200, 400, 200, 200], codes
+    srv.wait_idle()
+    srv.on_engine(lambda e: e.check_integrity())
 
 
 def test_server_goes_on_after_bad_input(srv, client):

@@ -14,6 +14,8 @@ import numpy as np
 
 from mambacache.engine.sampling_params import SamplingParams
 
+INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,10 @@ class SamplingBatch:
     @classmethod
     def from_params(cls, params: list[SamplingParams | None], steps: list[int],
                     num_rows: int) -> SamplingBatch:
-        """Rows past ``len(params)`` (or ``None`` rows) are padding and sample greedily."""
+        """Rows past ``len(params)`` (or ``None`` rows) are padding and sample greedily.
+        Packing never raises for one row: ``SamplingParams`` bounds every field, and ``top_k`` is
+        clipped to int32 regardless (a top_k at or past the vocabulary is no limit), so a row
+        whose checks were bypassed cannot fail the other rows of its step."""
         temp = np.zeros(num_rows, np.float32)
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
@@ -37,7 +42,8 @@ class SamplingBatch:
         step = np.zeros(num_rows, np.int32)
         for i, p in enumerate(params):
             if p is not None:
-                temp[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
+                temp[i], top_p[i], seed[i] = p.temperature, p.top_p, p.seed
+                top_k[i] = min(max(int(p.top_k), 0), INT32_MAX)
                 step[i] = steps[i]
         return cls(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
 

@@ -1,17 +1,72 @@
-"""``SamplingParams``: how one request samples (host side, validated; no JAX)."""
+"""``SamplingParams``: how one request samples (host side, validated once; no JAX).
+
+The bounds here are the only ones: the engine checks every field at construction, the HTTP
+protocol (``serve/protocol.py``) declares its fields with the same limits, and the packer
+(``engine/sampling.py``) can therefore put every field into an int32 / float32 row. Integers may
+be Python or numpy ints (stored as ``int``); ``bool`` is never an int here. A bad field is a
+``ValueError`` naming the field, the value and the limit, never a dump of the whole object.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from typing import Any
 
 import numpy as np
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+TEMPERATURE_LIMIT = 100.0
+#: top_k above any vocabulary this project serves; a top_k >= the vocabulary is no limit.
+TOP_K_LIMIT = 1 << 20
+SEED_LIMIT = 1 << 31
+MAX_STOP_TOKEN_IDS = 1024
+TOKEN_ID_MAX = (1 << 31) - 1  # stop token ids fit int32 (the vocabulary check is the engine's)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def as_int(name: str, value: Any, lo: int, hi: int) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]``; numpy ints accepted, bools and floats refused."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {_show(value)} ({type(value).__name__})")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def as_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """``value`` as a finite ``float`` in ``[lo, hi]`` (``(lo, hi]`` if ``lo_open``)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {_show(value)} ({type(value).__name__})")
+    value = float(value)
+    if not (math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi):
+        interval = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def as_token_ids(name: str, value: Any, max_count: int) -> tuple[int, ...]:
+    """A sequence of at most ``max_count`` token ids (ints >= 0 that fit int32) as a tuple."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__len__"):
+        raise ValueError(f"{name} must be a sequence of ints, got {_show(value)}")
+    if len(value) > max_count:
+        raise ValueError(f"{name}: {len(value)} ids, the limit is {max_count}")
+    return tuple(as_int(f"{name}[{i}]", t, 0, TOKEN_ID_MAX) for i, t in enumerate(value))
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature == 0`` is greedy; ``top_k == 0`` means no limit."""
+    """How one request samples. ``temperature == 0`` is greedy; ``top_k == 0`` means no limit.
+
+    Limits: ``max_new_tokens`` in [1, 2^20], ``temperature`` in [0, 100], ``top_k`` in
+    [0, 2^20], ``top_p`` in (0, 1], ``seed`` in [0, 2^31), at most 1024 ``stop_token_ids``.
+    """
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -22,16 +77,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        checks = [
-            (isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens
-             <= MAX_NEW_TOKENS_LIMIT, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}]"),
-            (np.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
-             "temperature must be in [0, 100]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an int >= 0"),
-            (np.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (isinstance(self.seed, int) and 0 <= self.seed < 2**31, "seed must be in [0, 2**31)"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"{msg}, got {self!r}")
+        fields = {
+            "max_new_tokens": as_int("max_new_tokens", self.max_new_tokens, 1,
+                                     MAX_NEW_TOKENS_LIMIT),
+            "temperature": as_float("temperature", self.temperature, 0.0, TEMPERATURE_LIMIT),
+            "top_k": as_int("top_k", self.top_k, 0, TOP_K_LIMIT),
+            "top_p": as_float("top_p", self.top_p, 0.0, 1.0, lo_open=True),
+            "seed": as_int("seed", self.seed, 0, SEED_LIMIT - 1),
+            "stop_token_ids": as_token_ids("stop_token_ids", self.stop_token_ids,
+                                           MAX_STOP_TOKEN_IDS),
+        }
+        if not isinstance(self.ignore_eos, bool | np.bool_):
+            raise ValueError(f"ignore_eos must be a bool, got {_show(self.ignore_eos)}")
+        fields["ignore_eos"] = bool(self.ignore_eos)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)

@@ -32,6 +32,11 @@ from mambacache.serve.protocol import (
 from mambacache.serve.responses import ResponseShape, chat_logprobs, completion_logprobs, sse
 
 
+def http_names(text: str) -> str:
+    """An engine message in the API's words (``max_new_tokens`` is ``max_tokens`` here)."""
+    return text.replace("max_new_tokens", "max_tokens")
+
+
 class Server:
     """What the routes share: the engine loop, the tokenizer, the ``[serve]`` section."""
 
@@ -50,6 +55,11 @@ class Server:
     def sampling(self, req: CompletionRequest | ChatRequest, chat: bool) -> SamplingParams:
         tok = self.tokenizer
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        vocab = self.engine.model_cfg.vocab_size
+        bad = [t for t in req.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise ApiError(f"stop_token_ids: {bad[0]} outside the vocabulary [0, {vocab})",
+                           param="stop_token_ids")
         stop_ids = set(req.stop_token_ids or ())
         if not req.ignore_eos:
             stop_ids |= set(tok.eos_token_ids) | set(tok.chat_stop_token_ids if chat else ())
@@ -59,8 +69,9 @@ class Server:
                 temperature=float(req.temperature), top_k=max(req.top_k, 0), top_p=req.top_p,
                 seed=req.seed if req.seed is not None else secrets.randbelow(SEED_LIMIT),
                 stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=req.ignore_eos)
-        except ValueError as err:
-            raise ApiError(str(err)) from None
+        except ValueError as err:  # the protocol's bounds are the engine's: not expected
+            field = str(err).split(" ", 1)[0]
+            raise ApiError(http_names(str(err)), param=http_names(field)) from None
 
     def prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
         if isinstance(req, CompletionRequest):
@@ -91,7 +102,7 @@ class Server:
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
         except ValueError as err:
             self.metrics.rejected.labels("invalid").inc()
-            raise ApiError(f"{'messages' if chat else 'prompt'}: {err}",
+            raise ApiError(f"{'messages' if chat else 'prompt'}: {http_names(str(err))}",
                            param="messages" if chat else "prompt") from None
         shape = ResponseShape(chat=chat, model=self.model_name,
                               return_token_ids=req.return_token_ids)

@@ -1,18 +1,26 @@
 """Request bodies of the OpenAI API as strict pydantic models, and their validation errors as
 OpenAI-shaped HTTP 400 bodies that name the field and the limit.
 
-Every field the server accepts is declared here (unknown fields are a 400); fields OpenAI has but
-the engine cannot honour are accepted only at their neutral value (``n`` = 1, ``echo`` = false,
-zero penalties, no top-k alternatives in logprobs), and any other value is a 400 saying so.
+Every field the server accepts is declared here (unknown fields are a 400), with the engine's
+bounds (``engine/sampling_params.py``), so a request the protocol accepts always packs. Fields
+OpenAI has but the engine cannot honour are accepted only at their neutral value (``n`` = 1,
+``echo`` = false, zero penalties, no top-k alternatives in logprobs), any other value is a 400.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-SEED_LIMIT = 2**31
+from mambacache.engine.sampling_params import (
+    MAX_NEW_TOKENS_LIMIT,
+    MAX_STOP_TOKEN_IDS,
+    SEED_LIMIT,
+    TOKEN_ID_MAX,
+    TOP_K_LIMIT,
+)
+
 MAX_STOP_STRINGS = 16
 
 
@@ -39,8 +47,8 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)]
 
 
 class _Sampling(_Strict):
@@ -48,12 +56,12 @@ class _Sampling(_Strict):
     ``stop_token_ids``, ``return_token_ids`` are the usual server extensions)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=TOP_K_LIMIT)
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
-    stop: Stop = None
+    stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,8 +69,16 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     user: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     return_token_ids: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _at_most_max_stop_strings(cls, value: Any) -> Any:
+        """The count first: a long list otherwise fails as "not a valid string" (the union)."""
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(value)} stop strings, the limit is {MAX_STOP_STRINGS}")
+        return value
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -100,7 +116,7 @@ class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
 
