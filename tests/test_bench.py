@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mambacache.bench.cli import load_setup, main
+from mambacache.bench.report import format_table
 from mambacache.bench.runner import BenchSection, summarize
 from mambacache.bench.workloads import (
     Branching,
@@ -17,6 +18,7 @@ from mambacache.bench.workloads import (
     NoReuse,
     Trace,
     ideal_hit_rate,
+    max_seq_len,
     workload_from_dict,
 )
 
@@ -183,7 +185,27 @@ def test_main_end_to_end_identical(tmp_path):
     assert data["cache_on"]["ideal_hit_rate"] == pytest.approx(2 * 3 * 47 / (8 * 48))
     assert data["cache_on"]["computed_prefill_tokens"] < data["cache_off"][
         "computed_prefill_tokens"]
-    assert data["cache_on"]["timed_new_programs"] == 0
+    # warm-up covers the timed passes by construction: JAX's events saw no compile in them
+    assert data["warmup_max_seq_len"] == 48 + 1  # system prompt + one output token
+    assert data["warmup_programs"] >= 2
+    for mode in ("cache_on", "cache_off"):
+        assert data[mode]["timed_compiles"] == 0, data[mode]["timed_compiled_functions"]
+        assert data[mode]["compiled_while_timed"] is False
+        assert data[mode]["programs_compiled"] == 0
+    assert "COMPILED WHILE TIMED" not in format_table(result)
+    flagged = {**result, "cache_on": {**result["cache_on"], "timed_compiles": 2,
+                                      "timed_compile_s": 3.0}}
+    assert "COMPILED WHILE TIMED" in format_table(flagged)
+
+
+def test_max_seq_len_follows_every_turn():
+    spec = MultiTurn(num_clients=2, num_rounds=3, system_prompt_len=10, user_len=4,
+                     output_len=3)
+    # turn 3: system 10 + 3 x (user 4 + output 3)
+    assert max_seq_len(spec.source(VOCAB, 0)) == 10 + 3 * (4 + 3)
+    gsp = GeneratedSharedPrefix(num_groups=2, prompts_per_group=3, system_prompt_len=20,
+                                question_len=5, output_len=7)
+    assert max_seq_len(gsp.source(VOCAB, 0)) == 32
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):

@@ -5,8 +5,12 @@ The TOML is a full engine config ([model] [cache] [scheduler] [parallel]) plus `
 (``bench_runner.BenchSection``). ``--set section.key=value`` overrides any of them.
 
 Both modes share one loaded model and, through ``jitted_step``'s cache, the compiled programs.
-Warm-up passes (untimed) run the whole workload per mode first, so that the timed passes compile
-nothing; ``timed_new_programs`` reports any program a timed pass used that warm-up did not.
+Warm-up covers the timed passes by construction: every engine first runs ``Engine.warmup``
+bounded by the workload's longest request (``workloads.max_seq_len``), which compiles every step
+shape a request within that bound can take; then ``bench.warmup`` untimed passes run the whole
+workload per mode. Compiles are counted from JAX's own events: ``timed_compiles`` (and
+``timed_compile_s``) per mode must be 0; a timed pass that compiled is flagged in the table and
+the JSON (``compiled_while_timed``) and fails the run under ``--strict``.
 Timed passes alternate on/off (``repeats`` pairs, who goes first alternating); medians reported.
 
 A config with ``[speculative] method != "none"`` compares speculative decoding on vs off instead
@@ -27,9 +31,9 @@ from typing import Any
 import numpy as np
 from absl import logging as absl_logging
 
-from mambacache.bench.report import format_table, ratios, write_json, write_plot
+from mambacache.bench.report import format_table, modes_of, ratios, write_json, write_plot
 from mambacache.bench.runner import BenchSection, run_pass
-from mambacache.bench.workloads import workload_from_dict
+from mambacache.bench.workloads import max_seq_len, workload_from_dict
 from mambacache.config import (
     EngineConfig,
     apply_overrides,
@@ -89,40 +93,60 @@ def run_bench(setup: BenchSetup, *, progress: bool = True) -> dict[str, Any]:
     t = time.perf_counter()
     model = load_model(setup.engine)
     load_s = time.perf_counter() - t
-    vocab = model[0].vocab_size
+    vocab, context = model[0].vocab_size, model[0].max_position_embeddings
     cfgs = mode_configs(setup.engine)
     modes = list(cfgs)
+    bound = min(max_seq_len(setup.workload.source(vocab, setup.bench.seed)), context)
+    warm = {"programs": 0, "compiles": 0, "compile_s": 0.0}
 
-    def one_pass(mode: str, label: str, show: bool) -> tuple[dict[str, Any], set]:
+    def one_pass(mode: str, label: str, show: bool) -> dict[str, Any]:
         engine = Engine(cfgs[mode], model=model)
+        w = engine.warmup(bound)  # untimed; after the first engine nothing compiles here
+        warm.update(programs=w["programs"], compiles=warm["compiles"] + w["compiles"],
+                    compile_s=warm["compile_s"] + w["compile_s"])
         source = setup.workload.source(vocab, setup.bench.seed)
-        stats = run_pass(engine, source, setup.bench, label=label, progress=show)
-        return stats, set(engine.runner.program_keys)
+        return run_pass(engine, source, setup.bench, label=label, progress=show)
 
     t = time.perf_counter()
-    warm_keys: set = set()
     for i in range(setup.bench.warmup):
         for mode in modes:
-            warm_keys |= one_pass(mode, f"warmup {i + 1} {mode}", progress)[1]
+            stats = one_pass(mode, f"warmup {i + 1} {mode}", progress)
+            warm.update(compiles=warm["compiles"] + stats["pass_compiles"],
+                        compile_s=warm["compile_s"] + stats["pass_compile_s"])
     warmup_s = time.perf_counter() - t
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    new_keys: dict[str, set] = {m: set() for m in modes}
     for r in range(setup.bench.repeats):
         order = modes if r % 2 == 0 else modes[::-1]
         for mode in order:
-            stats, keys = one_pass(mode, f"run {r + 1} {mode}", progress)
-            runs[mode].append(stats)
-            new_keys[mode] |= keys - warm_keys
+            runs[mode].append(one_pass(mode, f"run {r + 1} {mode}", progress))
     result: dict[str, Any] = {"model_load_s": load_s, "warmup_s": warmup_s,
-                              "warmup_programs_compiled": len(warm_keys), "modes": modes}
+                              "warmup_max_seq_len": bound, "warmup_programs": warm["programs"],
+                              "warmup_programs_compiled": warm["compiles"],
+                              "warmup_compile_s": warm["compile_s"], "modes": modes}
     for mode in modes:
-        result[mode] = _median_dict(runs[mode])
-        result[mode]["timed_new_programs"] = len(new_keys[mode])
+        result[mode] = {**_median_dict(runs[mode]), **timed_compiles(runs[mode])}
     result["ratios"] = ratios(result[modes[0]], result[modes[1]])
     result["runs"] = {m: [{k: r[k] for k in ("request_throughput", "input_throughput",
-                                             "output_throughput", "duration_s")}
+                                             "output_throughput", "duration_s",
+                                             "pass_compiles")}
                           for r in runs[m]] for m in modes}
     return result
+
+
+def timed_compiles(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the timed passes of one mode compiled, summed (JAX's events; 0 when warm)."""
+    functions: dict[str, int] = {}
+    for r in runs:
+        for name, n in r["pass_compiled_functions"].items():
+            functions[name] = functions.get(name, 0) + n
+    n = sum(r["pass_compiles"] for r in runs)
+    return {"timed_compiles": n, "timed_compile_s": sum(r["pass_compile_s"] for r in runs),
+            "compiled_while_timed": n > 0, "timed_compiled_functions": functions}
+
+
+def compiled_while_timed(result: dict[str, Any]) -> list[str]:
+    """The modes whose timed passes compiled anything."""
+    return [m for m in modes_of(result) if result[m].get("timed_compiles")]
 
 
 def machine_info() -> dict[str, Any]:
@@ -143,6 +167,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write the results as one JSON object")
     p.add_argument("--plot", help="write a PNG plot (needs the 'plot' extra: matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 if a timed pass compiled anything (JAX's compile events)")
     p.add_argument("-v", "--verbosity", type=int, default=-1,
                    help="absl log level: -1 warnings (default), 0 info, 1 preemptions")
     args = p.parse_args(argv)
@@ -169,6 +195,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         write_json(result, args.out)
     if args.plot:
         write_plot(result, args.plot)
+    bad = compiled_while_timed(result)
+    if args.strict and bad:
+        raise SystemExit("--strict: timed passes compiled " + ", ".join(
+            f"{m}: {result[m]['timed_compiles']} ({result[m]['timed_compile_s']:.1f} s, "
+            f"{result[m]['timed_compiled_functions']})" for m in bad))
     return result
 
 

@@ -30,8 +30,10 @@ ROWS = (
     ("peak_mamba_usage", "peak state usage", "{:.3f}"),
     ("snapshots_kept", "snapshots kept", "{:d}"),
     ("snapshots_skipped", "snapshots skipped", "{:d}"),
-    ("programs_compiled", "programs used", "{:d}"),
-    ("timed_new_programs", "compiled while timed", "{:d}"),
+    ("step_programs", "step shapes used", "{:d}"),
+    ("programs_compiled", "XLA compiles in steps", "{:d}"),
+    ("timed_compiles", "compiled while timed", "{:d}"),
+    ("timed_compile_s", "compile s while timed", "{:.2f}"),
     ("host_share", "host share of wall time", "{:.3f}"),
     ("spec_verify_steps", "verify rows (speculative)", "{:d}"),
     ("spec_accept_rate", "draft acceptance rate", "{:.3f}"),
@@ -77,8 +79,16 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{label:<28}{_fmt(on[key], fmt):>14}{_fmt(off[key], fmt):>14}"
                      f"{'-' if r is None else f'{r:.3f}x':>10}")
     lines.append(f"warm-up (untimed): {result['warmup_s']:.1f} s, "
-                 f"{result['warmup_programs_compiled']} programs compiled; "
+                 f"{result.get('warmup_programs', '?')} step programs (sequences up to "
+                 f"{result.get('warmup_max_seq_len', '?')} tokens), "
+                 f"{result['warmup_programs_compiled']} XLA compiles "
+                 f"({result.get('warmup_compile_s', 0.0):.1f} s); "
                  f"timed passes per mode: {len(result['runs'][modes[0]])} (medians)")
+    bad = [m for m in modes if result[m].get("timed_compiles")]
+    if bad:
+        lines.append("COMPILED WHILE TIMED (the numbers include compile time): " + ", ".join(
+            f"{m} {result[m]['timed_compiles']} ({result[m]['timed_compile_s']:.1f} s)"
+            for m in bad))
     return "\n".join(lines)
 
 

@@ -4,6 +4,9 @@ Arrival: ``"all"`` sends every request at time 0 (at most ``concurrency`` in fli
 cap); ``"poisson"`` spaces the first requests by exponential gaps at ``rate`` requests/s (also
 capped by ``concurrency``). A multi-turn client's next turn arrives when its previous turn
 finished. TTFT / latency are measured by the engine from ``add_request``.
+
+Every XLA compile made during a pass (engine steps or anything else on the calling thread) is
+counted from JAX's own events: ``pass_compiles``, ``pass_compile_s`` (0 in a warm pass).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mambacache.bench.workloads import BenchItem, IdealHits, check_ints
+from mambacache.engine.compiles import count_compiles
 from mambacache.engine.sampling_params import SamplingParams
 
 ARRIVALS = ("all", "poisson")
@@ -70,6 +74,26 @@ def _arrival_times(bench: BenchSection, n: int) -> np.ndarray:
 def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
              progress: bool = False) -> dict[str, Any]:
     """Drive ``source`` through ``engine`` to completion; returns the pass statistics."""
+    ideal = IdealHits()
+    done: list[Finished] = []
+    bar = _progress_bar(source.total, label) if progress else None
+    t0 = time.perf_counter()
+    with count_compiles() as compiled:  # every XLA compile of the pass (engine/compiles.py)
+        _drive(engine, source, bench, ideal, done, bar, t0)
+    duration_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    stats = summarize(done, duration_s)
+    stats["ideal_hit_rate"] = ideal.rate
+    stats.update(_engine_stats(engine.metrics()))
+    stats.update(pass_compiles=compiled.compiles, pass_compile_s=compiled.seconds,
+                 pass_compiled_functions=dict(compiled.by_function))
+    return stats
+
+
+def _drive(engine: Any, source: Any, bench: BenchSection, ideal: IdealHits,
+           done: list[Finished], bar: Any, t0: float) -> None:
+    """The closed loop: send what is due (arrival times, concurrency cap), step, follow up."""
     order = itertools.count()
     items = source.start()
     heap = [(float(t), next(order), it) for t, it in
@@ -77,10 +101,6 @@ def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
     heapq.heapify(heap)
     cap = bench.concurrency or None
     inflight: dict[int, BenchItem] = {}
-    ideal = IdealHits()
-    done: list[Finished] = []
-    bar = _progress_bar(source.total, label) if progress else None
-    t0 = time.perf_counter()
     while heap or inflight:
         now = time.perf_counter() - t0
         while heap and heap[0][0] <= now and (cap is None or len(inflight) < cap):
@@ -105,13 +125,6 @@ def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
                 heapq.heappush(heap, (time.perf_counter() - t0, next(order), nxt))
             if bar is not None:
                 bar.update(1)
-    duration_s = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    stats = summarize(done, duration_s)
-    stats["ideal_hit_rate"] = ideal.rate
-    stats.update(_engine_stats(engine.metrics()))
-    return stats
 
 
 def _progress_bar(total: int, label: str):
@@ -150,7 +163,8 @@ def summarize(done: list[Finished], duration_s: float) -> dict[str, Any]:
 
 ENGINE_KEYS = ("hit_rate", "prompt_tokens", "cached_tokens", "computed_prefill_tokens",
                "peak_token_usage", "peak_mamba_usage", "snapshots_kept", "snapshots_skipped",
-               "snapshots_evicted", "programs_compiled", "host_share", "num_steps", "preemptions",
+               "snapshots_evicted", "programs_compiled", "compile_s", "step_programs",
+               "host_share", "num_steps", "preemptions",
                "kv_bytes_per_token", "kv_bytes_per_token_expanded", "spec_verify_steps",
                "spec_draft_tokens", "spec_accepted_tokens", "spec_accept_rate",
                "spec_tokens_per_verify", "device_idle_share",

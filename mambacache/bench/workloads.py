@@ -76,6 +76,20 @@ class StaticSource:
         return None
 
 
+def max_seq_len(source: Any) -> int:
+    """Tokens of the longest request ``source`` sends (prompt + ``max_new_tokens``), following
+    every item with a full-length output (the bench ignores EOS): the bound warm-up compiles
+    for. Consumes ``source``: pass a fresh one."""
+    longest, todo = 0, list(source.start())
+    while todo:
+        item = todo.pop()
+        longest = max(longest, len(item.prompt) + item.max_new_tokens)
+        nxt = source.follow_up(item, [0] * item.max_new_tokens)
+        if nxt is not None:
+            todo.append(nxt)
+    return longest
+
+
 @dataclasses.dataclass(frozen=True)
 class GeneratedSharedPrefix:
     """SGLang bench_serving ``generated-shared-prefix``: ``num_groups`` system prompts, each
