@@ -13,6 +13,11 @@ implements the allocation API on top of the subclass's eviction:
 * ``record_skipped(n)``: count snapshots that were planned but got no slot.
 * ``stats()``: counts, see ``CacheBase.stats``.
 
+With a ``budget`` (``cache/budget.py``: one byte limit for both pools) the allocations also keep
+``pages in use * page_bytes + slots in use * slot_bytes <= limit_bytes``: a short budget evicts
+through ``evict_bytes`` (KV and states in one order, the subclass's), and ``available_*`` count
+free + evictable bytes. Without one, each pool is bounded by its id count alone (as before).
+
 Subclasses implement ``match_prefix``, ``insert``, ``lock``, ``unlock``, ``evict_pages``,
 ``evict_slots``, ``evictable_pages``, ``evictable_slots``, ``locked_pages``, ``locked_slots``
 and ``check_integrity``; they register under a key of ``CACHE_CLASSES`` (``True``: the radix
@@ -26,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from mambacache.cache.allocator import IdAllocator
+from mambacache.cache.budget import ByteBudget
 
 CACHE_CLASSES: dict[bool, type[CacheBase]] = {}
 
@@ -46,39 +52,110 @@ class CacheBase:
     # plan the prompt_len - 1 snapshot and checkpoints (``snapshot_plan.assign_snapshot_slots``)
     speculative_states = True
 
-    def __init__(self, num_pages: int, num_slots: int, page_size: int = 1):
+    def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
+                 budget: ByteBudget | None = None):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
         self.pages = IdAllocator(num_pages, "KV page")
         self.slots = IdAllocator(num_slots, "state slot")
+        self.budget = budget
         self.counters = {"snapshots_kept": 0, "snapshots_evicted": 0, "snapshots_skipped": 0,
                          "snapshots_rejected": 0, "pages_evicted": 0,
-                         "snapshots_promoted": 0}
+                         "snapshots_promoted": 0, "snapshots_demoted": 0}
+        self.peak_kv_bytes = 0
+        self.peak_state_bytes = 0
+        self.peak_bytes = 0
+
+    # --------------------------------------------------------------------------- bytes
+    def kv_bytes_held(self) -> int:
+        """Bytes of the KV pages in use (held by requests or in the tree); 0 without a budget."""
+        return (self.pages.num_ids - self.pages.num_free) * self.budget.page_bytes \
+            if self.budget is not None else 0
+
+    def state_bytes_held(self) -> int:
+        return (self.slots.num_ids - self.slots.num_free) * self.budget.slot_bytes \
+            if self.budget is not None else 0
+
+    def free_bytes(self) -> int:
+        """Budget bytes not in use (``limit - KV held - states held``)."""
+        return self.budget.limit_bytes - self.kv_bytes_held() - self.state_bytes_held()
+
+    def evictable_bytes(self) -> int:
+        b = self.budget
+        return self.evictable_pages() * b.page_bytes + self.evictable_slots() * b.slot_bytes
+
+    def _note_peak(self) -> None:
+        kv, st = self.kv_bytes_held(), self.state_bytes_held()
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv)
+        self.peak_state_bytes = max(self.peak_state_bytes, st)
+        self.peak_bytes = max(self.peak_bytes, kv + st)
+
+    def _room(self, alloc: IdAllocator, unit_bytes: int) -> int:
+        """Ids of ``alloc`` that can be taken without evicting (free ids and free bytes)."""
+        if self.budget is None:
+            return alloc.num_free
+        return min(alloc.num_free, self.free_bytes() // unit_bytes)
+
+    def _make_room(self, alloc: IdAllocator, num: int, unit_bytes: int) -> bool:
+        """Evict (ids, then bytes) until ``num`` ids of ``alloc`` can be taken; False if even
+        eviction cannot (nothing evicted then)."""
+        is_pages = alloc is self.pages
+        short = num - alloc.num_free
+        if short > 0:
+            evictable = self.evictable_pages() if is_pages else self.evictable_slots()
+            if short > evictable:
+                return False
+        if self.budget is not None:
+            short_bytes = num * unit_bytes - self.free_bytes()
+            if short_bytes > 0:
+                if short_bytes > self.evictable_bytes():
+                    return False
+                self.evict_bytes(short_bytes)
+            short = num - alloc.num_free
+        if short > 0:
+            (self.evict_pages if is_pages else self.evict_slots)(short)
+        return alloc.num_free >= num and (self.budget is None
+                                           or self.free_bytes() >= num * unit_bytes)
 
     # --------------------------------------------------------------------------- allocation
     def alloc_pages(self, num: int) -> np.ndarray | None:
         """``int32[num]`` KV pages for the caller, evicting if needed; ``None`` if impossible."""
-        short = num - self.pages.num_free
-        if short > 0:
-            if short > self.evictable_pages():
-                return None
-            self.evict_pages(short)
-        return self.pages.alloc(num)
+        return self._alloc(self.pages, num)
 
     def alloc_slots(self, num: int) -> np.ndarray | None:
         """``int32[num]`` state slots for the caller, evicting if needed; ``None`` if impossible."""
-        short = num - self.slots.num_free
-        if short > 0:
-            if short > self.evictable_slots():
-                return None
-            self.evict_slots(short)
-        return self.slots.alloc(num)
+        return self._alloc(self.slots, num)
+
+    def _alloc(self, alloc: IdAllocator, num: int) -> np.ndarray | None:
+        is_pages = alloc is self.pages
+        if self.budget is None:
+            short = num - alloc.num_free
+            if short > 0:
+                if short > (self.evictable_pages() if is_pages else self.evictable_slots()):
+                    return None
+                (self.evict_pages if is_pages else self.evict_slots)(short)
+            return alloc.alloc(num)
+        unit = self.budget.page_bytes if is_pages else self.budget.slot_bytes
+        if not self._make_room(alloc, num, unit):
+            return None
+        ids = alloc.alloc(num)
+        self._note_peak()
+        return ids
 
     def alloc_speculative_slots(self, num: int, evict: int | None = None) -> np.ndarray:
         """``int32[k]``, ``k <= num``: slots for speculative snapshots, free ones only here (the
         radix cache also evicts other speculative states for them)."""
-        return self.slots.alloc(min(num, self.slots.num_free))
+        slot_bytes = self.budget.slot_bytes if self.budget is not None else 1
+        got = self.slots.alloc(min(num, self._room(self.slots, slot_bytes)))
+        if self.budget is not None:
+            self._note_peak()
+        return got
+
+    def evict_bytes(self, num_bytes: int) -> int:
+        """Free at least ``num_bytes`` of the budget if possible (KV and states in one order);
+        returns the bytes freed. Only caches with a tree evict."""
+        return 0
 
     def free_pages(self, ids) -> None:
         self.pages.free(ids)
@@ -87,10 +164,17 @@ class CacheBase:
         self.slots.free(ids)
 
     def available_pages(self) -> int:
-        return self.pages.num_free + self.evictable_pages()
+        """Pages that could be taken now (free + evictable, ids and bytes)."""
+        ids = self.pages.num_free + self.evictable_pages()
+        if self.budget is None:
+            return ids
+        return min(ids, (self.free_bytes() + self.evictable_bytes()) // self.budget.page_bytes)
 
     def available_slots(self) -> int:
-        return self.slots.num_free + self.evictable_slots()
+        ids = self.slots.num_free + self.evictable_slots()
+        if self.budget is None:
+            return ids
+        return min(ids, (self.free_bytes() + self.evictable_bytes()) // self.budget.slot_bytes)
 
     def record_skipped(self, num: int = 1) -> None:
         self.counters["snapshots_skipped"] += num
@@ -132,7 +216,19 @@ class CacheBase:
         out["token_usage"] = out["pages_protected"] / out["pages_total"]
         out["mamba_usage"] = out["slots_protected"] / out["slots_total"]
         out.update(self.counters)
+        if self.budget is not None:
+            out.update(self.budget_stats())
         return out
+
+    def budget_stats(self) -> dict[str, int]:
+        """The byte budget: its limit, the unit sizes, bytes held now and at the peak."""
+        b = self.budget
+        return {"memory_bytes": b.limit_bytes, "state_bytes": b.slot_bytes,
+                "kv_bytes_per_page": b.page_bytes,
+                "kv_bytes_held": self.kv_bytes_held(), "state_bytes_held": self.state_bytes_held(),
+                "peak_kv_bytes_held": self.peak_kv_bytes,
+                "peak_state_bytes_held": self.peak_state_bytes,
+                "peak_bytes_held": self.peak_bytes}
 
     def _check_accounting(self) -> None:
         """``free + evictable + protected == total`` per pool, allocator audits included."""
@@ -146,3 +242,7 @@ class CacheBase:
                     f"{name}: free {s[name + '_free']} + evictable {s[name + '_evictable']} + "
                     f"protected {s[name + '_protected']} != total {s[name + '_total']}"
                 )
+        if self.budget is not None and self.free_bytes() < 0:
+            raise AssertionError(
+                f"KV {self.kv_bytes_held()} + states {self.state_bytes_held()} bytes exceed the "
+                f"budget of {self.budget.limit_bytes} bytes")

@@ -22,8 +22,8 @@ class DisabledCache(CacheBase):
     """No tree: allocators only (see the module docstring)."""
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
-                 eviction: str = "lru", **policy_kwargs: Any):
-        super().__init__(num_pages, num_slots, page_size)
+                 eviction: str = "lru", budget: Any = None, **policy_kwargs: Any):
+        super().__init__(num_pages, num_slots, page_size, budget)
         self._root = make_root()
 
     def match_prefix(self, prompt_ids, extra_key: Any = None) -> MatchResult:

@@ -8,6 +8,9 @@ that became invalid and asks again if it still needs more):
   The cache removes each whole (KV and state), then childless tombstones upward.
 * ``state_victims(cache, num_slots)``: nodes with a state and ``mamba_lock_ref == 0``. The cache
   turns an internal one into a tombstone (KV kept) and removes a leaf whole.
+* ``byte_victims(cache, num_bytes)`` (a shared byte budget, ``cache/budget.py``): both kinds in
+  one order: unlocked leaves (removed whole: KV + state) and unlocked states of internal nodes
+  (dropped), until their bytes cover ``num_bytes``.
 
 ``lru``: least recently used first (``cache.lru_all`` / ``cache.lru_state``, oldest first).
 
@@ -70,6 +73,19 @@ class EvictionPolicy:
     def state_victims(self, cache: Any, num_slots: int) -> list[Node]:
         raise NotImplementedError
 
+    def byte_victims(self, cache: Any, num_bytes: int) -> list[Node]:
+        raise NotImplementedError
+
+
+def _victim_bytes(node: Node, page_bytes: int, slot_bytes: int) -> int:
+    """Budget bytes evicting ``node`` frees now: a leaf's KV and state, an internal state; 0 when
+    it cannot be evicted (locked, or an internal node without a state)."""
+    if not node.children:
+        if node.full_lock_ref:
+            return 0
+        return len(node.pages) * page_bytes + (slot_bytes if node.slot is not None else 0)
+    return slot_bytes if node.slot is not None and not node.mamba_lock_ref else 0
+
 
 @register_policy("lru")
 class LRUPolicy(EvictionPolicy):
@@ -91,6 +107,20 @@ class LRUPolicy(EvictionPolicy):
             if node.mamba_lock_ref == 0:
                 out.append(node)
                 if len(out) >= num_slots:
+                    break
+        return out
+
+    def byte_victims(self, cache: Any, num_bytes: int) -> list[Node]:
+        """Least recently used node first, leaf (KV + state) or internal state alike: a plain
+        LRU tree over one byte pool."""
+        pb, sb = cache.budget.page_bytes, cache.budget.slot_bytes
+        out, covered = [], 0
+        for node in cache.lru_all:
+            freed = _victim_bytes(node, pb, sb)
+            if freed:
+                out.append(node)
+                covered += freed
+                if covered >= num_bytes:
                     break
         return out
 
@@ -120,15 +150,15 @@ class FlopAwarePolicy(EvictionPolicy):
         # tree got no new state (a new node missing from a reused ranking would outlive older,
         # more valuable ones), dropping entries that went stale (the cache re-validates them).
         self.rerank_every = max(1, rerank_every)
-        self._ranked_cache: dict[str, list] = {"pages": [], "states": []}
-        self._uses = {"pages": 0, "states": 0}
-        self._ranked_at = {"pages": -1, "states": -1}  # cache.counters["snapshots_kept"]
+        self._ranked_cache: dict[str, list] = {"pages": [], "states": [], "bytes": []}
+        self._uses = {"pages": 0, "states": 0, "bytes": 0}
+        self._ranked_at = {"pages": -1, "states": -1, "bytes": -1}  # counters["snapshots_kept"]
 
     def set_alpha(self, alpha: float) -> None:
         """Adopt a tuned ``alpha``; the cached rankings are rebuilt."""
         if alpha != self.alpha:
             self.alpha = alpha
-            self._ranked_cache = {"pages": [], "states": []}
+            self._ranked_cache = {"pages": [], "states": [], "bytes": []}
 
     def _flops(self, node: Node) -> float:
         d = float(node.depth)
@@ -194,6 +224,19 @@ class FlopAwarePolicy(EvictionPolicy):
 
         return self._cached("states", cache, valid, build, lambda out: len(out) >= num_slots)
 
+    def byte_victims(self, cache: Any, num_bytes: int) -> list[Node]:
+        """Leaves and internal states ranked together by recency + alpha * FLOPs saved per
+        byte freed."""
+        if self.alpha == 0:
+            return LRUPolicy.byte_victims(self, cache, num_bytes)
+        pb, sb = cache.budget.page_bytes, cache.budget.slot_bytes
+
+        def valid(n):
+            return n.alive and _victim_bytes(n, pb, sb) > 0
+
+        return self._cached("bytes", cache, valid, lambda: [n for n in cache.lru_all if valid(n)],
+                            lambda out: sum(_victim_bytes(n, pb, sb) for n in out) >= num_bytes)
+
 
 class TreeEviction:
     """The cache side of eviction (mixed into ``MambaRadixCache``): asks ``self.policy`` for
@@ -235,6 +278,31 @@ class TreeEviction:
             if freed == start:
                 break
         return freed
+
+    def evict_bytes(self, num_bytes: int) -> int:
+        """Free at least ``num_bytes`` of the shared budget if possible: unlocked speculative
+        states first, then the policy's ``byte_victims`` (KV and states in one order); returns
+        the bytes freed."""
+        start = self.free_bytes()
+        target = start + num_bytes
+        if self.lru_spec:
+            self._evict_speculative(-(-num_bytes // self.budget.slot_bytes))
+        while self.free_bytes() < target:
+            before = self.free_bytes()
+            for node in self.policy.byte_victims(self, target - before):
+                if not node.alive:
+                    continue
+                if not node.children:
+                    if node.full_lock_ref:
+                        continue
+                    self._remove_leaf(node)
+                elif node.slot is not None and not node.mamba_lock_ref:
+                    self._drop_state(node)
+                if self.free_bytes() >= target:
+                    break
+            if self.free_bytes() == before:  # nothing evictable: stop, never spin
+                break
+        return self.free_bytes() - start
 
     def _evict_speculative(self, num: int) -> int:
         """Free up to ``num`` slots from unlocked speculative states, oldest first; returns the

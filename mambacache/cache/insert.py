@@ -9,7 +9,9 @@ deepest kept state are freed, the rest adopted; rejected slots freed, accepted a
 or make the node ending at each accepted position: a chain of new nodes past the shared prefix,
 splits of existing edges inside it; (4) store the states (most recent last in both LRU orders).
 A state whose slot came from ``alloc_speculative_slots`` (``cache.spec_slots``) is stored as
-speculative; a new branch hung below a node with a speculative state promotes that state.
+speculative; a new branch hung below a node with a speculative state promotes that state. A chain
+hung below a leaf's state (a next turn resuming from the previous end) demotes that state to
+speculative: the deeper state supersedes it unless a hit or a divergence shows it pays.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class TreeInsert:
                 path[-1] if path else root)
             if parent.spec and parent.children:  # the new chain makes it a branch point
                 self._promote(parent)
+            elif parent.slot is not None and not parent.children and not parent.spec:
+                self._demote(parent)  # a deeper state on the same path supersedes it
             ends = [p for p in accepted if p > shared_end]
             at.update(zip(ends, self._new_chain(parent, tokens, new_pages, shared_end, ends,
                                                  extra_key), strict=True))

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from mambacache.cache.base import CACHE_CLASSES, CacheBase, register_cache
+from mambacache.cache.budget import ByteBudget
 from mambacache.cache.eviction import TreeEviction, make_policy
 from mambacache.cache.insert import TreeInsert
 from mambacache.cache.integrity import check_tree
@@ -54,11 +55,15 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
     """Radix tree of KV pages and state snapshots; see the module docstring."""
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
-                 eviction: str = "lru", speculative_states: bool = True, **policy_kwargs: Any):
-        super().__init__(num_pages, num_slots, page_size)
+                 eviction: str = "lru", speculative_states: bool = True,
+                 budget: ByteBudget | None = None, **policy_kwargs: Any):
+        super().__init__(num_pages, num_slots, page_size, budget)
         if not isinstance(speculative_states, bool):
             raise ValueError(f"speculative_states must be a bool, got {speculative_states!r}")
         self.speculative_states = speculative_states
+        if budget is not None and eviction == "flop_aware":  # a state's size in KV tokens
+            policy_kwargs.setdefault("state_bytes_in_tokens",
+                                     budget.slot_bytes * page_size / budget.page_bytes)
         self.policy = make_policy(eviction, **policy_kwargs)
         self._tuner = getattr(self.policy, "tuner", None)  # flop_aware alpha="auto" only
         self.roots: dict[Any, Node] = {None: make_root()}
@@ -139,7 +144,8 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         by requests before it (a proxy for what the next admissions need): fewer or none are
         granted otherwise, and the next running slot never pushes out a firm state for them.
         """
-        free = self.slots.num_free
+        slot_bytes = self.budget.slot_bytes if self.budget is not None else 1
+        free = self._room(self.slots, slot_bytes)
         spec = self.evictable_speculative_slots()
         num = min(num, free + spec - self.slots.num_held)
         if num <= 0:
@@ -147,9 +153,11 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         short = min(num - free, num if evict is None else evict)
         if short > 0:
             self._evict_speculative(short)
-        got = self.slots.alloc(min(num, self.slots.num_free))
+        got = self.slots.alloc(min(num, self._room(self.slots, slot_bytes)))
         if len(got):
             self.spec_slots.update(got.tolist())
+            if self.budget is not None:
+                self._note_peak()
         return got
 
     def free_slots(self, ids) -> None:
@@ -163,6 +171,14 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         del self.lru_spec[node]
         self._locked_spec -= node.mamba_lock_ref > 0
         self.counters["snapshots_promoted"] += 1
+
+    def _demote(self, node: Node) -> None:
+        """A deeper state now extends ``node``'s path with no branch: its state becomes a bet
+        (evicted first), until a hit or a divergence promotes it again."""
+        node.spec = True
+        self.lru_spec[node] = None
+        self._locked_spec += node.mamba_lock_ref > 0
+        self.counters["snapshots_demoted"] += 1
 
     def _touch(self, node: Node) -> None:
         self.lru_all.move_to_end(node)
@@ -227,18 +243,33 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
 
 def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page_size: int = 1,
                eviction: str = "lru", speculative_states: bool = True,
-               **policy_kwargs: Any) -> CacheBase:
+               budget: ByteBudget | None = None, **policy_kwargs: Any) -> CacheBase:
     """Build the cache registered for ``enable`` (``True``: radix, ``False``: disabled).
 
     ``speculative_states``: plan the ``prompt_len - 1`` snapshot and checkpoints (kept as
     speculative states); False keeps states only at branch points and request ends.
+    ``budget``: one byte budget for both pools (``cache/budget.py``); ``None``: two fixed pools.
+    ``eviction="auto"``: ``lru`` for fixed pools, tuned ``flop_aware`` with a budget.
     """
     import mambacache.cache.disabled  # noqa: F401  (registers the disabled cache)
 
     if enable not in CACHE_CLASSES:
         raise ValueError(f"no cache registered for enable={enable!r}; have {list(CACHE_CLASSES)}")
+    if eviction == "auto":  # one byte budget: rank KV and states by FLOPs saved per byte
+        eviction = "flop_aware" if budget is not None else "lru"
     return CACHE_CLASSES[enable](num_pages, num_slots, page_size, eviction,
-                                 speculative_states=speculative_states, **policy_kwargs)
+                                 speculative_states=speculative_states, budget=budget,
+                                 **policy_kwargs)
+
+
+def config_budget(cache_cfg: Any) -> ByteBudget | None:
+    """The byte budget of a resolved ``CacheConfig`` (``memory_bytes`` and both byte sizes
+    set: ``budget.resolve_cache_config``), else ``None``."""
+    limit = getattr(cache_cfg, "memory_bytes", 0)
+    kv, state = getattr(cache_cfg, "kv_bytes_per_token", 0), getattr(cache_cfg, "state_bytes", 0)
+    if not (limit and kv and state):
+        return None
+    return ByteBudget(limit, kv * cache_cfg.page_size, state)
 
 
 def make_cache_from_config(cache_cfg: Any, **policy_kwargs: Any) -> CacheBase:
@@ -246,4 +277,4 @@ def make_cache_from_config(cache_cfg: Any, **policy_kwargs: Any) -> CacheBase:
     return make_cache(cache_cfg.enable, cache_cfg.num_pages, cache_cfg.num_mamba_slots,
                       cache_cfg.page_size, cache_cfg.eviction,
                       speculative_states=getattr(cache_cfg, "speculative_states", True),
-                      **policy_kwargs)
+                      budget=config_budget(cache_cfg), **policy_kwargs)

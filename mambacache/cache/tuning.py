@@ -78,6 +78,7 @@ def _replay(cache: Any, requests: list, scored_from: int, alpha: float) -> int:
     one request at a time, snapshots planned by the shadow itself."""
     shadow = type(cache)(cache.pages.num_ids, cache.slots.num_ids, cache.page_size,
                          "flop_aware", speculative_states=cache.speculative_states, alpha=alpha,
+                         budget=getattr(cache, "budget", None),
                          state_bytes_in_tokens=cache.policy.state_tokens,
                          attn_quadratic_tokens=cache.policy.attn_tokens)
     return replay(shadow, requests, scored_from=scored_from)["cached_tokens"]

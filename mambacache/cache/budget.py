@@ -1,0 +1,152 @@
+"""One byte budget for KV pages and state slots: the sizes, the arithmetic, the pool plan.
+
+``ByteBudget(limit_bytes, page_bytes, slot_bytes)``: KV pages (``page_bytes`` each: the KV of
+``page_size`` tokens over every attention layer) and state slots (``slot_bytes`` each: conv +
+recurrent state of every linear layer) draw on the same ``limit_bytes``. The cache
+(``CacheBase`` with ``budget=``) keeps the invariant
+
+    (pages held + pages in the tree) * page_bytes + (slots held + in the tree) * slot_bytes
+        <= limit_bytes
+
+at every allocation and evicts KV and states in one order to keep it (``eviction.py``); so the
+split between the two follows the workload. The id ranges of the two allocators are what each
+could hold alone next to one of the other (a request always holds one slot and one page):
+``num_pages = (limit - slot_bytes) // page_bytes``, ``num_slots = (limit - page_bytes) //
+slot_bytes``.
+
+``budget_from_fraction``: ``cache.memory_fraction`` of what the device has left after the
+weights and the step's peak temporaries (the numbers come from the plan / a measured step).
+``plan_pools``: a ``CacheConfig`` + the model's byte sizes -> ``PoolPlan`` (explicit counts
+override the budget; a budget that cannot hold one request of the context plus the running
+slots is a ``ValueError`` with the numbers). Host only: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteBudget:
+    """A shared byte budget (see the module docstring); every field in bytes."""
+
+    limit_bytes: int
+    page_bytes: int
+    slot_bytes: int
+
+    def __post_init__(self):
+        for name in ("limit_bytes", "page_bytes", "slot_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ByteBudget.{name} must be a positive int, got {value!r}")
+        if self.limit_bytes < self.page_bytes + self.slot_bytes:
+            raise ValueError(
+                f"a budget of {self.limit_bytes} bytes cannot hold one KV page "
+                f"({self.page_bytes} bytes) and one state slot ({self.slot_bytes} bytes)")
+
+    @property
+    def num_pages(self) -> int:
+        """Page ids: as many pages as fit next to one state slot."""
+        return (self.limit_bytes - self.slot_bytes) // self.page_bytes
+
+    @property
+    def num_slots(self) -> int:
+        """Slot ids: as many slots as fit next to one KV page."""
+        return (self.limit_bytes - self.page_bytes) // self.slot_bytes
+
+
+def budget_from_fraction(device_bytes: int, weight_bytes: int, peak_step_bytes: int,
+                         fraction: float) -> int:
+    """Cache bytes per device: ``fraction`` of ``device_bytes - weight_bytes - peak_step_bytes``
+    (the step's peak temporaries, measured on the largest bucket). ``ValueError`` if nothing is
+    left."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"cache.memory_fraction must be in (0, 1], got {fraction!r}")
+    left = int(device_bytes) - int(weight_bytes) - int(peak_step_bytes)
+    if left <= 0:
+        raise ValueError(
+            f"device memory {device_bytes} bytes - weights {weight_bytes} - step peak "
+            f"{peak_step_bytes} = {left} bytes: nothing is left for the cache")
+    return int(left * fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """Pool sizes for one device. ``budget`` is set when KV and states share the bytes."""
+
+    num_pages: int
+    num_slots: int
+    page_bytes: int
+    slot_bytes: int
+    budget: ByteBudget | None = None
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the two id ranges would take as separate pools (the budget's limit if shared)."""
+        if self.budget is not None:
+            return self.budget.limit_bytes
+        return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
+
+    def describe(self) -> str:
+        mode = f"shared budget {self.budget.limit_bytes / GIB:.3f} GiB" if self.budget else \
+            f"fixed pools {self.pool_bytes / GIB:.3f} GiB"
+        return (f"{mode}: up to {self.num_pages} KV pages of {self.page_bytes} bytes, up to "
+                f"{self.num_slots} state slots of {self.slot_bytes} bytes")
+
+
+def plan_pools(cache_cfg: Any, page_bytes: int, slot_bytes: int, *, context_len: int,
+               max_running: int, memory_bytes: int | None = None) -> PoolPlan:
+    """Pool sizes from ``cache_cfg`` (a ``CacheConfig``) and the model's byte sizes.
+
+    ``memory_bytes`` (else ``cache_cfg.memory_bytes``; 0 = none): the per-device budget. Without
+    one, the explicit ``num_kv_tokens`` / ``num_mamba_slots`` are the pools. With one and no
+    explicit count, KV and states share it (``ByteBudget``); with one explicit count the other
+    pool gets the rest; with both the budget must hold them. ``ValueError`` (with the numbers)
+    when the budget cannot hold one request of ``context_len`` tokens plus ``max_running``
+    running slots.
+    """
+    ps = cache_cfg.page_size
+    limit = int(memory_bytes if memory_bytes is not None else cache_cfg.memory_bytes)
+    explicit_kv = cache_cfg.num_kv_tokens_set
+    explicit_slots = cache_cfg.num_mamba_slots_set
+    if limit <= 0:
+        return PoolPlan(cache_cfg.num_kv_tokens // ps, cache_cfg.num_mamba_slots, page_bytes,
+                        slot_bytes)
+    need_pages = -(-context_len // ps)
+    need = need_pages * page_bytes + max_running * slot_bytes
+    if limit < need:
+        raise ValueError(
+            f"cache budget {limit} bytes cannot hold one request of the context ({context_len} "
+            f"tokens = {need_pages} pages x {page_bytes} bytes) plus {max_running} running "
+            f"state slots x {slot_bytes} bytes = {need} bytes")
+    if explicit_kv and explicit_slots:
+        plan = PoolPlan(cache_cfg.num_kv_tokens // ps, cache_cfg.num_mamba_slots, page_bytes,
+                        slot_bytes)
+        if plan.pool_bytes > limit:
+            raise ValueError(
+                f"cache.num_kv_tokens ({cache_cfg.num_kv_tokens}) and cache.num_mamba_slots "
+                f"({cache_cfg.num_mamba_slots}) take {plan.pool_bytes} bytes, over the budget "
+                f"cache.memory_bytes {limit}")
+        return plan
+    if explicit_kv:
+        pages = cache_cfg.num_kv_tokens // ps
+        slots = (limit - pages * page_bytes) // slot_bytes
+        return _checked(PoolPlan(pages, slots, page_bytes, slot_bytes), max_running, need_pages)
+    if explicit_slots:
+        slots = cache_cfg.num_mamba_slots
+        pages = (limit - slots * slot_bytes) // page_bytes
+        return _checked(PoolPlan(pages, slots, page_bytes, slot_bytes), max_running, need_pages)
+    budget = ByteBudget(limit, page_bytes, slot_bytes)
+    return PoolPlan(budget.num_pages, budget.num_slots, page_bytes, slot_bytes, budget)
+
+
+def _checked(plan: PoolPlan, max_running: int, need_pages: int) -> PoolPlan:
+    if plan.num_slots < max_running or plan.num_pages < need_pages:
+        raise ValueError(
+            f"the budget left {plan.num_pages} KV pages (a request of the context needs "
+            f"{need_pages}) and {plan.num_slots} state slots ({max_running} running requests "
+            f"need one each) after the explicit pool size")
+    return plan

@@ -1,0 +1,139 @@
+"""One byte budget: ``ByteBudget``, ``plan_pools``, the shared accounting of the radix cache (KV and
+states evicted in one order), superseded end states demoted, ``eviction = "auto"``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mambacache.cache.budget import ByteBudget, budget_from_fraction, plan_pools
+from mambacache.cache.eviction import FlopAwarePolicy, LRUPolicy
+from mambacache.cache.radix import make_cache, make_cache_from_config
+from mambacache.cache.replay import replay
+from mambacache.config import CacheConfig
+
+PAGE_B, SLOT_B = 10, 40  # a state = the KV of 4 tokens (page size 1)
+
+
+def shared(limit: int = 200, **kw):
+    b = ByteBudget(limit, PAGE_B, SLOT_B)
+    return make_cache(True, b.num_pages, b.num_slots, 1, budget=b, **kw)
+
+
+def put(cache, tokens: list[int], snaps: list[int]) -> None:
+    """Insert ``tokens`` with states at ``snaps`` as a finished request would."""
+    slots = cache.alloc_slots(len(snaps))
+    pages = cache.alloc_pages(len(tokens))
+    assert slots is not None and pages is not None
+    cache.insert(tokens, pages, dict(zip(snaps, slots.tolist(), strict=True)))
+    cache.check_integrity()
+
+
+def test_byte_budget_capacities_and_errors():
+    b = ByteBudget(200, PAGE_B, SLOT_B)
+    assert (b.num_pages, b.num_slots) == (16, 4)  # next to one slot / one page
+    with pytest.raises(ValueError, match="cannot hold one KV page"):
+        ByteBudget(45, PAGE_B, SLOT_B)
+    with pytest.raises(ValueError, match="page_bytes"):
+        ByteBudget(200, 0, SLOT_B)
+    assert budget_from_fraction(100, 30, 20, 0.5) == 25
+    with pytest.raises(ValueError, match="nothing is left"):
+        budget_from_fraction(100, 80, 20, 0.5)
+
+
+def test_kv_pressure_evicts_a_state_and_state_pressure_evicts_kv():
+    cache = shared(speculative_states=False)
+    put(cache, list(range(1, 9)), [8])  # 8 pages + 1 state = 120 bytes
+    put(cache, list(range(100, 104)), [4])  # 4 pages + 1 state = 80 bytes: budget full
+    assert cache.free_bytes() == 0 and cache.available_pages() == 16  # page ids
+    pages = cache.alloc_pages(4)  # needs 40 bytes: the older leaf goes whole (KV + state)
+    assert pages is not None and cache.stats()["pages_evicted"] == 8
+    assert cache.match_prefix(list(range(1, 10))).cached_len == 0
+    assert cache.match_prefix(list(range(100, 105))).cached_len == 4
+    cache.free_pages(pages)
+    slots = cache.alloc_slots(3)  # the 120 free bytes: no eviction, 4 states held
+    assert slots is not None and cache.free_bytes() >= 0
+    cache.free_slots(slots)
+    cache.check_integrity()
+    s = cache.stats()
+    assert s["memory_bytes"] == 200 and s["peak_bytes_held"] <= 200
+    assert s["peak_state_bytes_held"] == 160 and s["peak_kv_bytes_held"] == 120
+
+
+def test_budget_full_of_locked_bytes_gives_none():
+    cache = shared(speculative_states=False)
+    put(cache, list(range(1, 13)), [12])  # 160 bytes
+    m = cache.match_prefix(list(range(1, 14)))
+    cache.lock(m.node)
+    assert cache.alloc_slots(2) is None and cache.alloc_pages(5) is None  # 40 bytes free
+    assert cache.alloc_pages(4) is not None
+    assert cache.available_pages() == 0 and cache.available_slots() == 0
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "flop_aware", "auto"])
+def test_random_replay_keeps_the_byte_budget(eviction):
+    rng = np.random.default_rng(3)
+    heads = [rng.integers(1, 50, 12).tolist() for _ in range(3)]
+    reqs = []
+    for i in range(120):
+        prompt = np.asarray(heads[i % 3] + rng.integers(1, 50, int(rng.integers(1, 8))).tolist(),
+                            np.int32)
+        reqs.append((prompt, np.concatenate([prompt, rng.integers(1, 50, 3)]).astype(np.int32)))
+    cache = shared(1200, eviction=eviction)
+    out = replay(cache, reqs, checkpoint_interval=4, concurrency=3)
+    cache.check_integrity()
+    s = cache.stats()
+    assert s["peak_bytes_held"] <= 1200 and out["dropped"] == 0
+    assert 0 < out["cached_tokens"] < out["prompt_tokens"]
+    assert s["kv_bytes_held"] + s["state_bytes_held"] <= 1200
+
+
+def test_a_deeper_end_demotes_the_superseded_state_and_a_hit_promotes_it():
+    cache = make_cache(True, 64, 8, 1)
+    put(cache, list(range(1, 9)), [8])
+    put(cache, list(range(1, 17)), [16])  # the next turn resumes from 8 and ends at 16
+    node8 = cache.match_prefix(list(range(1, 10))).node
+    assert cache.stats()["snapshots_demoted"] == 1
+    assert node8.depth == 8 and not node8.spec  # the hit promoted it again
+    assert cache.stats()["snapshots_promoted"] == 1
+    cache.check_integrity()
+    put(cache, list(range(1, 25)), [24])  # 16 -> 24: 16 demoted, evicted before 24
+    assert cache.evict_slots(1) == 1
+    assert cache.match_prefix(list(range(1, 18))).cached_len == 8
+    assert cache.match_prefix(list(range(1, 26))).cached_len == 24
+
+
+def test_auto_eviction_follows_the_budget():
+    assert isinstance(make_cache(True, 8, 4, eviction="auto").policy, LRUPolicy)
+    assert isinstance(shared(eviction="auto").policy, FlopAwarePolicy)
+    assert shared(eviction="flop_aware").policy.state_tokens == SLOT_B / PAGE_B
+    assert CacheConfig().eviction == "auto"
+
+
+def test_plan_pools_sizes_and_errors():
+    fixed = plan_pools(CacheConfig(num_kv_tokens=64, num_mamba_slots=4), 10, 40,
+                       context_len=32, max_running=2)
+    assert (fixed.num_pages, fixed.num_slots, fixed.budget) == (64, 4, None)
+    cfg = CacheConfig(memory_bytes=1000, page_size=2)
+    plan = plan_pools(cfg, 20, 100, context_len=32, max_running=4)
+    assert plan.budget == ByteBudget(1000, 20, 100) and plan.num_pages == 45
+    with pytest.raises(ValueError, match=r"one request of the context \(32 tokens = 16 pages x 20 "
+                                         r"bytes\) plus 8 running state slots x 100 bytes = 1120"):
+        plan_pools(cfg, 20, 100, context_len=32, max_running=8)
+    kv_set = plan_pools(CacheConfig(memory_bytes=1000, num_kv_tokens=40), 10, 100,
+                        context_len=32, max_running=2)
+    assert (kv_set.num_pages, kv_set.num_slots) == (40, 6)
+    with pytest.raises(ValueError, match="running requests need one each"):
+        plan_pools(CacheConfig(memory_bytes=1000, num_kv_tokens=90), 10, 100, context_len=32,
+                   max_running=2)
+    with pytest.raises(ValueError, match="not both"):
+        CacheConfig(memory_bytes=10, memory_fraction=0.5)
+
+
+def test_config_budget_builds_a_shared_cache():
+    cfg = CacheConfig(memory_bytes=200, state_bytes=SLOT_B, kv_bytes_per_token=PAGE_B,
+                      num_kv_tokens=16, num_mamba_slots=4)
+    cache = make_cache_from_config(cfg)
+    assert cache.budget == ByteBudget(200, PAGE_B, SLOT_B)
+    assert make_cache_from_config(CacheConfig()).budget is None
