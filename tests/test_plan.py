@@ -41,30 +41,33 @@ def test_plan_json_fields_and_budget_arithmetic(tmp_path, capsys):
     assert p["weight_bytes"] == sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(params))
     left = p["hbm_bytes"] - p["weight_bytes"] - p["step_bytes"]
     assert p["cache_budget_bytes"] == int(left * 0.9)
-    used = (p["num_mamba_slots"] * p["state_slot_bytes"]
-            + p["num_kv_tokens"] // 4 * p["kv_page_bytes"])
-    assert p["cache_budget_bytes"] - p["kv_page_bytes"] < used <= p["cache_budget_bytes"]
+    # one shared budget (cache/budget.py): each pool may grow to the budget next to one of the
+    # other
+    budget = p["cache_budget_bytes"]
+    assert p["num_mamba_slots"] == (budget - p["kv_page_bytes"]) // p["state_slot_bytes"]
+    assert p["num_kv_tokens"] == (budget - p["state_slot_bytes"]) // p["kv_page_bytes"] * 4
     assert "num_kv_tokens" in capsys.readouterr().out
 
 
-def test_plan_exits_1_when_the_budget_holds_too_few_slots(tmp_path, capsys):
+def test_plan_exits_1_when_the_budget_cannot_hold_the_running_requests(tmp_path, capsys):
     rc, p = _run(tmp_path, "h200:1", "--set", "cache.memory_fraction=0.0000001")
     assert rc == 1 and not p["fits"]
-    assert "fewer than max_running_requests + 1 = 17" in p["reason"]
-    assert "NO:" in capsys.readouterr().out
+    assert "cannot hold one request of the context (4096 tokens" in p["reason"]
+    assert "16 running state slots" in p["reason"] and "NO:" in capsys.readouterr().out
 
 
 def test_plan_exits_1_with_the_numbers_when_weights_exceed_hbm(tmp_path, capsys):
-    # the tiny model widened to ~0.19 TB of fp32 weights: more than one H200 holds
-    rc, p = _run(tmp_path, "h200:1", "--set", "model.preset=tiny_qwen3_next",
-                 "--set", "cache.page_size=16")
-    assert rc == 0
-    big = sizing.cache_budget_bytes(141 * 10**9, 190 * 10**9, 0, 0.9)
-    assert big == -49 * 10**9  # negative: by how much, never clamped
-    from mambacache.parallel import plan as plan_mod
+    # Qwen3-Next-80B-A3B in bf16 (159.3 GB of weights) on one H200: no compile needed to say no
+    rc, p = _run(tmp_path, "h200:1", "--set", "model.preset=qwen3_next_80b_a3b",
+                 "--set", "model.dtype=bfloat16", "--context-len", "4096")
+    assert rc == 1 and not p["fits"] and p["temp_source"] == "estimate (not compiled)"
+    from models.sizes import model_sizes
 
-    reason = plan_mod.verdict(dict(p, weight_bytes=190 * 10**9, step_bytes=10**9))[1]
-    assert "exceed the 141.00 GB of HBM by 50.00 GB" in reason
+    sizes = model_sizes(get_preset("qwen3_next_80b_a3b"), jnp.bfloat16)
+    assert p["weight_bytes"] == sizes.weight_bytes > 159e9
+    short = p["weight_bytes"] + p["step_bytes"] - 141 * 10**9
+    assert f"exceed the 141.00 GB of HBM by {short / 1e9:.2f} GB" in p["reason"]
+    assert p["cache_budget_bytes"] == -short  # negative: by how much, never clamped
 
 
 def test_bad_topologies_and_tp_are_errors_naming_the_value(tmp_path, capsys):
@@ -96,13 +99,6 @@ def test_unit_bytes_match_real_pools():
     assert b["mamba"] - a["mamba"] == 3 * slot and b["full"] - a["full"] == 2 * page
 
 
-def test_pool_sizes_split_the_budget():
-    slots, tokens = sizing.pool_sizes_from_budget(10_000, 100, 64, page_size=4)
-    assert slots == 30 and tokens == (10_000 - 3_000) // 64 * 4
-    assert sizing.pool_sizes_from_budget(-5, 100, 64, page_size=4) == (0, 0)
-    assert sizing.pool_sizes_from_budget(1000, 0, 64, page_size=4) == (0, 1000 // 64 * 4)
-
-
 def test_largest_step_shapes_follow_the_runner_buckets():
     cfg = EngineConfig.load(None, {"scheduler.max_running_requests": 12,
                                    "scheduler.chunked_prefill_size": 100, "cache.page_size": 8})
@@ -119,3 +115,34 @@ def test_tiny_step_compiles_on_a_tpu_topology(tmp_path):
     assert rc == 0 and p["compiled"] and p["temp_source"] == "compiler"
     assert set(p["programs"]) == {"prefill", "decode"}
     assert p["programs"]["prefill"]["temp_bytes"] > 0 and p["roofline"]["decode"]["seconds"] > 0
+
+
+def test_device_report_folds_fractions_of_roofline(tmp_path):
+    import subprocess
+    import sys
+
+    kernels = dict(device="NVIDIA H200", roofline=[4.8e12, {"bfloat16": 989e12, "float32": None}],
+                   rows=[dict(op="gdr_extend", impl="pallas-gpu", compute_dtype="bfloat16",
+                              ms=1.0, bytes_per_s=2.4e12, flops_per_s=98.9e12),
+                         dict(op="gdr_extend", impl="reference", compute_dtype="float32",
+                              ms=3.0, bytes_per_s=1.2e12, flops_per_s=1e12)])
+    (tmp_path / "kernels.json").write_text(json.dumps(kernels))
+    (tmp_path / "steps.json").write_text(json.dumps({"plan": 0, "bench_cache_on_off": 124}))
+    proc = subprocess.run([sys.executable, "scripts/device_report.py", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads((tmp_path / "device_check.json").read_text())
+    pallas, ref = rep["kernels"]
+    assert pallas["hbm_fraction"] == pytest.approx(0.5)
+    assert pallas["flops_fraction"] == pytest.approx(0.1)
+    assert ref["flops_fraction"] is None and ref["hbm_fraction"] == pytest.approx(0.25)
+    assert rep["plan"] == "missing" and rep["steps"]["bench_cache_on_off"] == 124
+
+
+def test_local_sizing_needs_a_device_that_reports_memory():
+    from mambacache.parallel.topology import local_topology
+
+    if jax.default_backend() != "cpu":
+        pytest.fail("this test expects the CPU backend of the test suite")
+    with pytest.raises(ValueError, match="cache.memory_bytes"):
+        local_topology()

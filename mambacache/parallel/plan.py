@@ -7,11 +7,13 @@ For a TPU slice (``v5e:2x4``, ``v6e:2x2``, ``v5p:2x2x1``, ...) the engine's own 
 (``sizing.largest_step_shapes``: the widest prefill bucket and the decode bucket) are compiled
 with abstract, sharded params and pools on libtpu's compile-only devices (no chip); every
 number is then the compiler's, per device. For ``h200:N`` (no compiler on this host) weights and
-pools are exact arithmetic and the step's temporaries an estimate (``temp_source``). The cache
-gets ``cache.memory_fraction`` of what is left (``sizing.cache_budget_bytes``), split into state
-slots and KV tokens (``sizing.pool_sizes_from_budget``). A plan that cannot hold the weights and
-the step, or a budget whose pools hold fewer than ``max_running_requests`` + 1 state slots or
-one ``context_len`` of KV, does not fit: ``fits`` false and the reason with its numbers.
+pools are exact arithmetic and the step's temporaries an estimate (``temp_source``); ``local``
+is this machine's devices (real compile, the allocator's memory limit: the device check).
+The cache gets ``cache.memory_bytes``, or ``cache.memory_fraction`` (0.9 when the config sets
+no budget) of what is left after the weights and the step, and ``cache/budget.py`` turns it
+into pool sizes (KV and states share the bytes). A plan whose weights and step exceed the HBM,
+or whose budget cannot hold one ``context_len`` request plus ``max_running_requests`` running
+slots, does not fit: ``fits`` false, the reason with its numbers, exit status 1.
 
 Roofline: from ``cost_analysis()`` of the compiled programs (FLOPs and bytes accessed per device)
 and the chip's peak FLOPs / HBM bandwidth of the dtype: a compiler estimate, not a measurement;
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mambacache.config import EngineConfig
-from mambacache.parallel.topology import Topology, parse_topology
+from mambacache.parallel.topology import Topology, local_topology, parse_topology
 
 GB = 10**9
 
@@ -55,6 +57,10 @@ def _mesh_for(topo: Topology, tp: int):
     from mambacache.parallel.mesh import TP
     from mambacache.parallel.topology import compile_devices
 
+    if topo.name == "local":
+        from mambacache.parallel.mesh import make_mesh
+
+        return make_mesh(tp)
     if topo.compiled:
         devices = compile_devices(topo.name)
     else:  # arithmetic: abstract shardings need a mesh of some tp devices; forced CPU ones do
@@ -79,7 +85,7 @@ def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) ->
         validate_tensor_parallel,
     )
 
-    topo = parse_topology(topology)
+    topo = local_topology() if topology == "local" else parse_topology(topology)
     tp = cfg.parallel.tensor_parallel
     model_cfg = load_model_config(cfg)
     context = int(context_len or model_cfg.max_position_embeddings)
@@ -99,43 +105,69 @@ def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) ->
     else:
         steps, source = _step_estimates(run_cfg, shapes, tp), "estimate"
     step_bytes = max(s["temp_bytes"] + s["code_bytes"] for s in steps.values())
-    fraction = sizing.memory_fraction(cfg)
-    budget = sizing.cache_budget_bytes(topo.chip.hbm_bytes, weight_bytes, step_bytes, fraction)
-    slots, tokens = sizing.pool_sizes_from_budget(budget, slot_bytes, page_bytes,
-                                                  page_size=page_size)
+    head = f"{cfg.model.path or cfg.model.preset} in {cfg.model.dtype} at TP {tp} on {topology}"
+    budget, slots, tokens, reason = _pools(cfg, head, topo.chip.hbm_bytes, weight_bytes,
+                                           step_bytes, slot_bytes, page_bytes, context)
     out = dict(
         model=cfg.model.path or cfg.model.preset, family=model_cfg.family, topology=topology,
         chip=topo.chip.name, devices=topo.num_devices, tensor_parallel=tp, dtype=cfg.model.dtype,
         compiled=source == "compiler", temp_source=source,
-        kv_heads_per_device=max(run_cfg.num_key_value_heads // tp, 1)
-        if not model_cfg.kv_lora_rank else 1,
+        kv_heads_per_device=1 if model_cfg.kv_lora_rank else run_cfg.num_key_value_heads // tp,
         hbm_bytes=topo.chip.hbm_bytes, weight_bytes=weight_bytes, step_bytes=step_bytes,
-        temp_bytes=max(s["temp_bytes"] for s in steps.values()), memory_fraction=fraction,
-        cache_budget_bytes=budget, state_slot_bytes=slot_bytes, kv_page_bytes=page_bytes,
-        kv_token_bytes=page_bytes / page_size,
-        num_mamba_slots=slots, num_kv_tokens=tokens, context_len=context,
-        max_running_requests=cfg.scheduler.max_running_requests, page_size=page_size,
-        programs=steps, roofline=roofline(steps, topo, cfg.model.dtype))
-    out["fits"], out["reason"] = verdict(out)
-    return out
+        temp_bytes=max(s["temp_bytes"] for s in steps.values()),
+        memory_fraction=sizing.memory_fraction(cfg), cache_budget_bytes=budget,
+        state_slot_bytes=slot_bytes, kv_page_bytes=page_bytes,
+        kv_token_bytes=page_bytes / page_size, num_mamba_slots=slots, num_kv_tokens=tokens,
+        context_len=context, max_running_requests=cfg.scheduler.max_running_requests,
+        page_size=page_size, programs=steps, roofline=roofline(steps, topo, cfg.model.dtype))
+    return out | {"fits": not reason, "reason": reason}
+
+
+def _pools(cfg: EngineConfig, head: str, hbm: int, weights: int, step: int, slot_bytes: int,
+           page_bytes: int, context: int) -> tuple[int, int, int, str]:
+    """``(budget, num_mamba_slots, num_kv_tokens, reason)`` per device: the budget from
+    ``cache.memory_bytes`` or ``cache.memory_fraction`` (``sizing.memory_fraction``), the pools
+    from ``cache/budget.py``'s ``plan_pools`` (KV and states share the bytes: each count is
+    what its pool may grow to next to one of the other); ``reason`` empty when it fits, else
+    what does not, with the numbers (GB = 1e9 bytes). A negative budget: short by that much."""
+    from mambacache.cache.budget import budget_from_fraction, plan_pools
+    from mambacache.parallel.sizing import memory_fraction
+
+    left = hbm - weights - step
+    if left <= 0:
+        return left, 0, 0, (f"{head} does not fit: weights {weights / GB:.2f} GB + step "
+                            f"{step / GB:.2f} GB per device exceed the {hbm / GB:.2f} GB of "
+                            f"HBM by {-left / GB:.2f} GB")
+    fraction = memory_fraction(cfg)
+    budget = cfg.cache.memory_bytes or budget_from_fraction(hbm, weights, step, fraction)
+    if budget > left:
+        return budget, 0, 0, (f"{head}: cache.memory_bytes {budget / GB:.2f} GB exceeds the "
+                              f"{left / GB:.2f} GB left after weights and step")
+    cache_cfg = cfg.cache if cfg.cache.has_budget else dataclasses.replace(
+        cfg.cache, memory_fraction=fraction, num_kv_tokens=0, num_mamba_slots=0)
+    try:
+        pools = plan_pools(cache_cfg, page_bytes, slot_bytes, context_len=context,
+                           max_running=cfg.scheduler.max_running_requests, memory_bytes=budget)
+    except ValueError as e:
+        return budget, 0, 0, f"{head}: {e}"
+    return budget, pools.num_slots, pools.num_pages * cfg.cache.page_size, ""
 
 
 def _step_costs(model_cfg, cfg, topo, shapes, params, mesh, dtype) -> dict[str, dict]:
-    """Compile each step program (pools of a few pages and slots: their bytes are
-    ``unit_bytes`` arithmetic, and the compiled temporaries do not grow with them)."""
+    """Compile each step program (``sizing.step_memories``); a TPU topology compiles the
+    ``tpu`` family's Mosaic kernels, ``local`` whatever the backend runs."""
     from mambacache.parallel import sizing
 
-    os.environ.setdefault("PALLAS_FAMILY", topo.chip.compiler or "tpu")
-    os.environ.setdefault("PALLAS_INTERPRET", "0")
-    slots = cfg.scheduler.max_running_requests + 1
-    pools = sizing.abstract_pools(model_cfg, 64, cfg.cache.page_size, slots, dtype)
-    kernels = "pallas" if cfg.model.kernels == "auto" else cfg.model.kernels
-    out = {}
-    for name, sh in shapes.items():
-        mem = sizing.compile_step(model_cfg, sh, params=params, pools=pools,
-                                  page_size=cfg.cache.page_size, kernels=kernels, mesh=mesh)
-        out[name] = dataclasses.asdict(mem) | {"shapes": dataclasses.asdict(sh)}
-    return out
+    if topo.chip.compiler == "tpu":
+        os.environ.setdefault("PALLAS_FAMILY", "tpu")
+        os.environ.setdefault("PALLAS_INTERPRET", "0")
+    kernels = cfg.model.kernels
+    if topo.chip.compiler == "tpu" and kernels == "auto":
+        kernels = "pallas"
+    mems = sizing.step_memories(model_cfg, cfg, shapes, params=params, mesh=mesh, dtype=dtype,
+                                kernels=kernels)
+    return {name: dataclasses.asdict(m) | {"shapes": dataclasses.asdict(shapes[name])}
+            for name, m in mems.items()}
 
 
 def _step_estimates(model_cfg, shapes, tp: int) -> dict[str, dict]:
@@ -160,6 +192,8 @@ def roofline(steps: dict[str, dict], topo: Topology, dtype: str) -> dict[str, An
     """Per program: ``max(flops / peak, bytes / bandwidth)`` seconds on one device of the
     chip (a compiler estimate), decode steps per second and prefill tokens per second."""
     chip, out = topo.chip, {"source": "compiler cost_analysis (estimate, not measured)"}
+    if not chip.hbm_bytes_per_s or not chip.peak_flops_per_s(dtype):
+        return out | {"source": f"no peak figures for {chip.name!r}"}
     for name, s in steps.items():
         if not s["flops"] and not s["bytes_accessed"]:
             continue
@@ -170,27 +204,6 @@ def roofline(steps: dict[str, dict], topo: Topology, dtype: str) -> dict[str, An
                          hbm_seconds=s["bytes_accessed"] / chip.hbm_bytes_per_s,
                          tokens_per_s=tokens / t if t > 0 else 0.0)
     return out
-
-
-def verdict(p: dict[str, Any]) -> tuple[bool, str]:
-    """``(fits, reason)``: what does not fit, with the numbers (GB = 1e9 bytes, per device)."""
-    left = p["hbm_bytes"] - p["weight_bytes"] - p["step_bytes"]
-    head = (f"{p['model']} in {p['dtype']} at TP {p['tensor_parallel']} on {p['topology']}")
-    if left <= 0:
-        return False, (f"{head} does not fit: weights {p['weight_bytes'] / GB:.2f} GB + step "
-                       f"{p['step_bytes'] / GB:.2f} GB per device exceed the "
-                       f"{p['hbm_bytes'] / GB:.2f} GB of HBM by {-left / GB:.2f} GB")
-    need_slots = p["max_running_requests"] + 1
-    if p["state_slot_bytes"] and p["num_mamba_slots"] < need_slots:
-        return False, (f"{head}: the cache budget {p['cache_budget_bytes'] / GB:.3f} GB holds "
-                       f"{p['num_mamba_slots']} state slots of "
-                       f"{p['state_slot_bytes'] / 1e6:.2f} MB, fewer than max_running_requests"
-                       f" + 1 = {need_slots}")
-    if p["kv_token_bytes"] and p["num_kv_tokens"] < p["context_len"]:
-        return False, (f"{head}: the cache budget {p['cache_budget_bytes'] / GB:.3f} GB holds "
-                       f"{p['num_kv_tokens']} KV tokens, fewer than one context of "
-                       f"{p['context_len']}")
-    return True, ""
 
 
 def format_table(p: dict[str, Any]) -> str:
@@ -217,6 +230,19 @@ def format_table(p: dict[str, Any]) -> str:
     return "\n".join(f"{k:18s} {v}" for k, v in rows)
 
 
+def _force_cpu_devices(topology: str) -> None:
+    """An arithmetic topology (``h200:8``) shards on forced CPU devices, one per chip: set
+    before JAX starts its CPU backend (the entry point's first JAX use)."""
+    try:
+        topo = parse_topology(topology)
+    except ValueError:
+        return  # plan() reports it
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not topo.compiled and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                                   f"{topo.num_devices}").strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -229,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-len", type=int, help="longest sequence (default: the model's)")
     ap.add_argument("--out", help="write the plan here as one JSON object")
     opts = ap.parse_args(argv)
+    _force_cpu_devices(opts.topology)
     try:
         cfg = EngineConfig.load(opts.config, parse_set_args(opts.set))
         result = plan(cfg, opts.topology, context_len=opts.context_len)

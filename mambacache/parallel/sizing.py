@@ -7,14 +7,16 @@ allocated), reads ``memory_analysis()`` per device, and gives the cache what is 
 
     budget = (hbm - weights - max(temp + generated code over the programs)) * memory_fraction
 
-``weights`` is the largest device's share of the params (``sharded_bytes``), exact from the
-shardings the engine uses (``mesh.param_shardings``). Pool sizes come from the budget and what one
-state slot and one KV token take on a device (``unit_bytes``, from ``PoolState`` itself).
+``weights`` is the largest device's share of the params as the devices lay them out
+(``laid_out_bytes``; ``sharded_bytes`` is the logical count), with the shardings the engine
+uses (``mesh.param_shardings``). The pools get the budget through ``cache/budget.py``
+(``plan_pools``), with what one state slot and one KV page take on a device (``unit_bytes``,
+from ``PoolState`` itself, layout padding included).
 
-Invariants: every number here is per device (under tensor parallelism the busiest device); a
-budget below zero is reported as such, never clamped, so the caller can say by how much it
-does not fit. ``pool_sizes_from_budget`` is the interim split until the memory-budget work's
-``byte budget -> pool sizes`` function lands; callers use only its two outputs.
+Invariants: every number is per device (under tensor parallelism the busiest device); the
+pools' own bytes are never part of a compiled program's temporaries (checked on a TPU topology
+by ``tests/test_plan.py``). ``device_cache_budget`` is what an engine on real devices calls;
+``parallel/plan.py`` runs the same steps on a topology.
 """
 
 from __future__ import annotations
@@ -29,34 +31,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mambacache.engine.batch import build_forward_batch
+from mambacache.engine.buckets import StepShape, bucket
 from mambacache.engine.pools import PoolState
-from mambacache.engine.runner import (
-    MIN_PAGE_BUCKET,
-    MIN_SNAPSHOT_BUCKET,
-    MIN_TOKEN_BUCKET,
-    bucket,
-    jitted_sharded_step,
-)
+from mambacache.engine.runner import jitted_sharded_step
 from mambacache.engine.sampling import SamplingBatch
 from mambacache.engine.step_plan import SeqSpec
 from mambacache.parallel.mesh import param_shardings, pool_shardings, replicated
 
-#: share of the states in the interim split (issue 25 measured 0.3-0.5 best on chat traces)
-INTERIM_STATE_SHARE = 0.3
 #: the plan's cache.memory_fraction when the config sets none (SGLang's mem_fraction_static)
 DEFAULT_MEMORY_FRACTION = 0.9
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShapes:
-    """The ``ForwardBatch`` bucket of one step program (the runner's ``shapes_for`` keys)."""
-
-    decode: bool
-    num_tokens: int
-    num_seqs: int
-    num_pages_per_seq: int
-    num_snapshots: int
-    num_logits: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,36 +62,27 @@ def memory_fraction(cfg: Any) -> float:
     return float(getattr(cfg.cache, "memory_fraction", 0.0) or DEFAULT_MEMORY_FRACTION)
 
 
-def context_len(cfg: Any, model_cfg: Any) -> int:
-    """The longest sequence a step must hold: the model's ``max_position_embeddings``."""
-    del cfg  # no engine-side context limit yet
-    return int(model_cfg.max_position_embeddings)
+def largest_step_shapes(cfg: Any, model_cfg: Any) -> dict[str, StepShape]:
+    """The engine's widest programs (``warmup.engine_buckets``' program set, pages for the
+    model's whole context): the extend step with the most tokens and logits rows, and the
+    widest decode step."""
+    from mambacache.engine.warmup import engine_buckets
 
-
-def largest_step_shapes(cfg: Any, model_cfg: Any) -> dict[str, StepShapes]:
-    """The widest prefill bucket (every running request's decode row plus a full prefill chunk,
-    pages for a whole context) and the decode bucket, as ``runner.ModelRunner`` pads them."""
-    seqs = bucket(cfg.scheduler.max_running_requests, 1)
-    pages = bucket(-(-context_len(cfg, model_cfg) // cfg.cache.page_size), MIN_PAGE_BUCKET)
-    chunk = cfg.scheduler.chunked_prefill_size
-    tokens = bucket(chunk + seqs, MIN_TOKEN_BUCKET)
-    snaps = max(MIN_SNAPSHOT_BUCKET, min(tokens, bucket(2 * seqs, 1)))
+    programs = engine_buckets(cfg, model_cfg,
+                              bucket(cfg.scheduler.max_running_requests, 1)).program_set()
     return {
-        "prefill": StepShapes(False, tokens, seqs, pages, snaps, seqs),
-        "decode": StepShapes(True, seqs, seqs, pages, MIN_SNAPSHOT_BUCKET, seqs),
+        "prefill": max((s for s in programs if not s.decode),
+                       key=lambda s: (s.num_tokens, s.num_logits)),
+        "decode": max((s for s in programs if s.decode),
+                      key=lambda s: (s.num_seqs, s.num_pages_per_seq)),
     }
 
 
 def abstract_params(model_cfg: Any, dtype: Any) -> Any:
-    """The params' ``ShapeDtypeStruct`` tree from the layout (``models.params.param_shapes``);
-    nothing allocated, not even on the host (``init_params`` draws numpy randoms)."""
-    from models.params import param_shapes
+    """The params' ``ShapeDtypeStruct`` tree (``models.sizes``); nothing allocated."""
+    from models.sizes import abstract_params as shapes
 
-    def is_shape(x: Any) -> bool:
-        return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)),
-                        param_shapes(model_cfg), is_leaf=is_shape)
+    return shapes(model_cfg, dtype)
 
 
 def abstract_pools(model_cfg: Any, num_pages: int, page_size: int, num_slots: int,
@@ -157,13 +131,12 @@ def _abstract(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
-def step_args(shapes: StepShapes, page_size: int, params: Any, pools: PoolState,
+def step_args(shapes: StepShape, page_size: int, params: Any, pools: PoolState,
               mesh: Mesh) -> tuple:
     """Abstract arguments of the runner's step (``runner._step``), placed as the engine places
     them: params and pools sharded, the batch and sampling rows replicated."""
     spec = SeqSpec(tokens=[1], prefix_len=0, page_ids=[1], read_slot=0, write_slot=1)
-    kw = {f.name: getattr(shapes, f.name) for f in dataclasses.fields(shapes) if f.name != "decode"}
-    batch = build_forward_batch([spec], page_size, as_numpy=True, **kw)
+    batch = build_forward_batch([spec], page_size, as_numpy=True, **shapes.sizes())
     sb = SamplingBatch.from_params([None], [0], shapes.num_logits)
     rep = replicated(mesh)
     host = (np.zeros(bucket(shapes.num_seqs, 1), np.int32), batch, sb,
@@ -174,7 +147,7 @@ def step_args(shapes: StepShapes, page_size: int, params: Any, pools: PoolState,
             _abstract(pools, pool_shardings(pools, mesh))) + host
 
 
-def compile_step(model_cfg: Any, shapes: StepShapes, *, params: Any, pools: PoolState,
+def compile_step(model_cfg: Any, shapes: StepShape, *, params: Any, pools: PoolState,
                  page_size: int, kernels: str, mesh: Mesh) -> StepMemory:
     """Compile the engine's jitted step (``runner.jitted_sharded_step``) for ``mesh``'s devices
     at ``shapes`` and read its per-device memory and cost."""
@@ -193,27 +166,33 @@ def compile_step(model_cfg: Any, shapes: StepShapes, *, params: Any, pools: Pool
         optimal_seconds=float(cost.get("optimal_seconds", 0.0) or 0.0))
 
 
-def cache_budget_bytes(hbm_bytes: int, weight_bytes: int, step_bytes: int,
-                       fraction: float) -> int:
-    """What the cache may take per device: ``(hbm - weights - step) * fraction``; negative
-    when the weights and the step alone do not fit (by that much, before the fraction)."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"cache.memory_fraction must be in (0, 1], got {fraction}")
-    left = hbm_bytes - weight_bytes - step_bytes
-    return int(left * fraction) if left > 0 else left
+def step_memories(model_cfg: Any, cfg: Any, shapes: dict[str, StepShape], *, params: Any,
+                  mesh: Mesh, dtype: Any, kernels: str) -> dict[str, StepMemory]:
+    """Every program of ``shapes`` compiled for ``mesh`` with pools of 64 pages and
+    ``max_running_requests + 1`` slots: the pools' own bytes are ``unit_bytes`` arithmetic and
+    the donated pools alias their outputs, so the temporaries do not grow with them
+    (``tests/test_plan.py`` checks it)."""
+    slots = cfg.scheduler.max_running_requests + 1
+    pools = abstract_pools(model_cfg, 64, cfg.cache.page_size, slots, dtype)
+    return {name: compile_step(model_cfg, sh, params=params, pools=pools,
+                               page_size=cfg.cache.page_size, kernels=kernels, mesh=mesh)
+            for name, sh in shapes.items()}
 
 
-def pool_sizes_from_budget(budget_bytes: int, slot_bytes: int, page_bytes: int, *,
-                           page_size: int, state_share: float = INTERIM_STATE_SHARE
-                           ) -> tuple[int, int]:
-    """Interim ``(num_mamba_slots, num_kv_tokens)`` for ``budget_bytes`` per device:
-    ``state_share`` of the bytes to state slots, the rest to whole pages of KV. A model without
-    linear (or attention) layers gives all bytes to the other pool. Replaced by the
-    memory-budget work's function when it lands."""
-    if budget_bytes <= 0:
-        return 0, 0
-    share = state_share if slot_bytes and page_bytes else float(bool(slot_bytes))
-    slots = int(budget_bytes * share) // slot_bytes if slot_bytes else 0
-    left = budget_bytes - slots * slot_bytes
-    pages = left // page_bytes if page_bytes else 0
-    return slots, pages * page_size
+def device_cache_budget(cfg: Any, model_cfg: Any, params: Any, mesh: Mesh) -> int:
+    """The engine's cache budget per device on this machine's devices (``mesh``), by the plan's
+    path: the allocator's ``bytes_limit`` minus the params' largest device share minus the
+    largest step program's temporaries and code, times ``cache.memory_fraction``.
+    ``ValueError`` when nothing is left or the backend reports no memory (CPU)."""
+    from mambacache.cache.budget import budget_from_fraction
+    from mambacache.parallel.mesh import per_device_bytes
+    from mambacache.parallel.topology import local_topology
+
+    hbm = local_topology().chip.hbm_bytes
+    weights = max(per_device_bytes(params).values())
+    dtype = jax.tree.leaves(params)[0].dtype
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    mems = step_memories(model_cfg, cfg, largest_step_shapes(cfg, model_cfg), params=abstract,
+                         mesh=mesh, dtype=dtype, kernels=cfg.model.kernels)
+    step = max(m.temp_bytes + m.code_bytes for m in mems.values())
+    return budget_from_fraction(hbm, weights, step, memory_fraction(cfg))

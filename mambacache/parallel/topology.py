@@ -89,3 +89,28 @@ def compile_devices(name: str) -> tuple:
     from jax.experimental import topologies
 
     return tuple(topologies.get_topology_desc(name, "tpu").devices)
+
+
+_KINDS = {"h200": "h200", "h100": "h100", "tpu v5 lite": "v5e", "tpu v5e": "v5e",
+          "tpu v6 lite": "v6e", "tpu v6e": "v6e", "tpu v5p": "v5p", "tpu v5": "v5p",
+          "tpu v4": "v4"}
+
+
+def local_topology() -> Topology:
+    """``"local"``: this machine's devices (the engine's case). HBM from the allocator's
+    ``bytes_limit`` (the smallest device's); peaks from ``CHIPS`` when the device kind is known
+    (else 0: no roofline). ``ValueError`` on a backend that reports no memory (CPU)."""
+    import jax
+
+    devices = jax.devices()
+    stats = [d.memory_stats() or {} for d in devices]
+    limits = [s.get("bytes_limit", 0) for s in stats]
+    if not all(limits):
+        raise ValueError(f"the {devices[0].platform} devices report no memory limit "
+                         f"(memory_stats); size the cache with cache.memory_bytes instead")
+    kind = devices[0].device_kind.lower()
+    known = next((CHIPS[v] for k, v in _KINDS.items() if k in kind), None)
+    chip = Chip(kind, min(limits), known.hbm_bytes_per_s if known else 0.0,
+                known.bf16_flops_per_s if known else 0.0,
+                known.fp32_flops_per_s if known else 0.0, "local")
+    return Topology("local", chip, len(devices))
