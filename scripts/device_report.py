@@ -1,6 +1,6 @@
 """Fold the device check's outputs into one JSON: measured fractions of roofline per kernel.
 
-    python scripts/device_report.py DIR   # reads DIR/{kernels,plan,bench,steps}.json -> DIR/device_check.json
+    python scripts/device_report.py DIR   # DIR/{kernels,plan,bench,steps}.json -> device_check.json
 
 ``kernels.json`` (``pallas_kernels.bench --large --out``): per op and impl the measured share of
 the device's HBM bandwidth (``hbm_fraction``) and of the dense peak of the dtype the kernel
