@@ -135,3 +135,107 @@ def test_hf_to_orbax_round_trip(tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="layout None"):
         restore_params(tmp_path / "orbax")
+
+
+# ---- all or nothing (issue 24): a failed restore leaves the engine exactly as it was --------
+def _pools_dirs(path: Path) -> list[Path]:
+    return [p for p in path.iterdir() if p.is_dir() and p.name.startswith("pools")]
+
+
+def _corrupt(kind: str, good: Path, other: Path) -> None:
+    """Damage the saved cache ``good`` the way an interrupted or careless overwrite would."""
+    import shutil
+
+    meta_path = good / "meta.json"
+    if kind == "pools_missing":
+        for d in _pools_dirs(good):
+            shutil.rmtree(d)
+    elif kind == "old_meta_beside_new_pools":  # other's meta, good's pools under its name
+        meta = json.loads((other / "meta.json").read_text())
+        for d in _pools_dirs(good):
+            d.rename(good / meta.get("pools", "pools"))
+        meta_path.write_text(json.dumps(meta))
+    elif kind == "same_counts_other_rows":  # counts agree, the rows are someone else's
+        meta, theirs = json.loads(meta_path.read_text()), json.loads(
+            (other / "meta.json").read_text())
+        for d in _pools_dirs(good):
+            shutil.rmtree(d)
+        shutil.copytree(other / theirs.get("pools", "pools"), good / meta.get("pools", "pools"))
+    elif kind == "truncated_meta":
+        meta_path.write_text(meta_path.read_text()[:100])
+    elif kind == "tree_names_an_unsaved_page":
+        meta = json.loads(meta_path.read_text())
+        meta["tree"]["states"][-1]["pages"][0] = 10**6
+        meta_path.write_text(json.dumps(meta))
+    elif kind == "tree_missing":
+        meta = json.loads(meta_path.read_text())
+        del meta["tree"]
+        meta_path.write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope="module")
+def two_saves(tmp_path_factory):
+    """Two saved caches from different workloads with the same numbers of pages and slots."""
+    root = tmp_path_factory.mktemp("saves")
+    for name, seed in (("a", 5), ("b", 6)):
+        engine = make_engine(**CKPT_OVERRIDES)
+        for p in _workload(seed)[0]:
+            engine.generate([p], SP)
+        engine.save(str(root / name))
+    return root
+
+
+@pytest.mark.parametrize("kind", ["pools_missing", "old_meta_beside_new_pools",
+                                  "same_counts_other_rows", "truncated_meta",
+                                  "tree_names_an_unsaved_page", "tree_missing"])
+def test_failed_restore_is_a_value_error_and_changes_nothing(tmp_path, two_saves, kind):
+    import shutil
+
+    a, b = json.loads((two_saves / "a" / "meta.json").read_text()), json.loads(
+        (two_saves / "b" / "meta.json").read_text())
+    assert (len(a["tree"]["pages"]), len(a["tree"]["slots"])) == (
+        len(b["tree"]["pages"]), len(b["tree"]["slots"]))  # the same-counts case is real
+    shutil.copytree(two_saves / "a", tmp_path / "a")
+    _corrupt(kind, tmp_path / "a", two_saves / "b")
+    engine = make_engine(**CKPT_OVERRIDES)
+    before = engine.cache.stats()
+    with pytest.raises(ValueError) as info:
+        engine.restore(str(tmp_path / "a"))
+    assert str(tmp_path / "a") in str(info.value) or "saved cache" in str(info.value), info.value
+    assert engine.cache.stats() == before
+    engine.check_integrity()
+    first, rng = _workload(5)
+    prompts = _next_requests(first, rng)
+    off = make_engine(**CKPT_OVERRIDES, **{"cache.enable": False})
+    outs = [engine.generate([p], SP)[0] for p in prompts]
+    assert outs[0].cached_tokens == 0  # nothing of the damaged save was loaded
+    assert_same_outputs(outs, [off.generate([p], SP)[0] for p in prompts])
+
+
+def test_interrupted_overwrite_keeps_the_old_save(tmp_path, monkeypatch):
+    """A save killed while it writes the pools leaves the previous save whole: meta.json is
+    replaced atomically, last, and names its own pools directory."""
+    from mambacache.parallel import checkpoint
+
+    engine = make_engine(**CKPT_OVERRIDES)
+    first, rng = _workload(7)
+    for p in first:
+        engine.generate([p], SP)
+    engine.save(str(tmp_path / "c"))
+    engine.generate([rand_tokens(rng, 33)], SP)  # the tree changes
+
+    def killed(path, tree):
+        (path / "partial").mkdir(parents=True)
+        raise KeyboardInterrupt("killed while writing the pools")
+
+    monkeypatch.setattr(checkpoint, "_save_tree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save(str(tmp_path / "c"))
+    monkeypatch.undo()
+    warm = make_engine(**CKPT_OVERRIDES)
+    warm.restore(str(tmp_path / "c"))
+    nxt = _next_requests(first, rng)
+    outs = [warm.generate([p], SP)[0] for p in nxt]
+    assert all(o.cached_tokens > 0 for o in outs)
+    off = make_engine(**CKPT_OVERRIDES, **{"cache.enable": False})
+    assert_same_outputs(outs, [off.generate([p], SP)[0] for p in nxt])

@@ -70,6 +70,46 @@ def dump_tree(cache: Any) -> dict[str, Any]:
             "slots": sorted(s["slot"] for s in states), "states": states}
 
 
+def _ids(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError(f"saved tree: {name} must be a list of ids >= 0")
+    return value
+
+
+def check_tree_data(tree: Any) -> None:
+    """``ValueError`` naming the first way ``tree`` is not what ``dump_tree`` writes: the keys,
+    id lists without repeats, every state's pages among ``pages`` and covering its tokens, its
+    slot among ``slots`` and owned by no other state. Touches no cache."""
+    if not isinstance(tree, dict):
+        raise ValueError(f"saved tree is a {type(tree).__name__}, not an object")
+    missing = [k for k in ("page_size", "pages", "slots", "states") if k not in tree]
+    if missing:
+        raise ValueError(f"saved tree lacks {missing}")
+    page_size = tree["page_size"]
+    if type(page_size) is not int or page_size < 1:
+        raise ValueError(f"saved tree: page_size {page_size!r}")
+    pages, slots = set(_ids("pages", tree["pages"])), set(_ids("slots", tree["slots"]))
+    if len(pages) != len(tree["pages"]) or len(slots) != len(tree["slots"]):
+        raise ValueError("saved tree: a page or slot id is listed twice")
+    if not isinstance(tree["states"], list):
+        raise ValueError("saved tree: states must be a list")
+    used: set[int] = set()
+    for i, s in enumerate(tree["states"]):
+        if not isinstance(s, dict) or not {"tokens", "pages", "slot"} <= s.keys():
+            raise ValueError(f"saved tree: state {i} lacks tokens, pages or slot")
+        tokens, path = _ids(f"state {i} tokens", s["tokens"]), _ids(f"state {i} pages", s["pages"])
+        if not tokens or len(path) * page_size < len(tokens) or not set(path) <= pages:
+            raise ValueError(f"saved tree: state {i} ({len(tokens)} tokens) has pages {path[:8]} "
+                             f"that do not cover it or are not among the saved pages")
+        if s["slot"] not in slots or s["slot"] in used:
+            raise ValueError(f"saved tree: state {i}'s slot {s['slot']!r} is not a saved slot "
+                             "or belongs to another state")
+        used.add(s["slot"])
+        if not isinstance(s.get("extra_key"), str | None) or not isinstance(s.get("spec", False),
+                                                                            bool):
+            raise ValueError(f"saved tree: state {i} has a bad extra_key or spec")
+
+
 def load_tree(cache: Any, tree: dict[str, Any]) -> tuple[dict[int, int], dict[int, int]]:
     """Rebuild ``tree`` (from ``dump_tree``) into the empty ``cache``.
 

@@ -6,8 +6,10 @@
   reads only its own shard (the target is a tree of ``ShapeDtypeStruct`` with shardings), so the
   unsharded model is never materialised on one device.
 * ``save_cache(engine, path)`` / ``restore_cache(engine, path)``: the tree (``cache_state``) and
-  the pool rows it owns (KV pages, conv and SSM slots), compacted; restore refuses a different
-  model (config + parameter checksums) or an incompatible pool layout with a ``ValueError``.
+  the pool rows it owns (KV pages, conv and SSM slots), compacted. ``meta.json`` is written
+  atomically and last; a restore checks everything (model config + parameter checksums, pool
+  layout, tree, rows and their checksums) before it changes the engine, and refuses with a
+  ``ValueError`` that leaves the engine as it was.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import re
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +30,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
-from mambacache.cache.state import dump_tree, load_tree
+from mambacache.cache.radix import make_cache_from_config
+from mambacache.cache.state import check_tree_data, dump_tree, load_tree
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: pools in the directory meta.json names, row checksums
 POOL_FIELDS = ("k_pages", "v_pages", "conv", "ssm")
 
 
@@ -133,8 +140,11 @@ def _require_idle(engine: Any, verb: str) -> None:
 
 
 def save_cache(engine: Any, path: str | Path) -> None:
-    """Write ``path/meta.json`` (fingerprint, layout, tree) and ``path/pools`` (Orbax: the rows
-    of the tree's pages and slots, in the order of ``meta["tree"]["pages"/"slots"]``)."""
+    """Write the rows of the tree's pages and slots (Orbax, in the order of
+    ``meta["tree"]["pages"/"slots"]``) to a fresh ``path/pools-<id>``, then ``path/meta.json``
+    (fingerprint, layout, tree, that directory's name, the rows' checksums) atomically and last,
+    then remove older pools directories: a save killed at any point leaves the previous one
+    whole, and a ``meta.json`` only ever names pools written before it."""
     _require_idle(engine, "save")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,11 +152,21 @@ def save_cache(engine: Any, path: str | Path) -> None:
     pools = engine.runner.pools
     rows = _gather_rows(pools, np.asarray(tree["pages"], np.int32),
                         np.asarray(tree["slots"], np.int32))
+    pools_dir = f"pools-{uuid.uuid4().hex[:12]}" if rows else None
     meta = {"version": FORMAT_VERSION, "fingerprint": model_fingerprint(engine),
-            "layout": pool_layout(pools, engine.cfg.cache.page_size), "tree": tree}
+            "layout": pool_layout(pools, engine.cfg.cache.page_size), "tree": tree,
+            "pools": pools_dir, "row_checksums": _row_checksums(rows)}
     if rows:
-        _save_tree(out / "pools", rows)
-    (out / "meta.json").write_text(json.dumps(meta))
+        _save_tree(out / pools_dir, rows)
+    tmp = out / f".meta.json.{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / "meta.json")
+    for old in out.iterdir():
+        if old.is_dir() and old.name.startswith("pools") and old.name != pools_dir:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _gather_rows(pools: Any, pages: np.ndarray, slots: np.ndarray) -> dict[str, jax.Array]:
@@ -160,6 +180,13 @@ def _gather_rows(pools: Any, pages: np.ndarray, slots: np.ndarray) -> dict[str, 
     return out
 
 
+def _row_checksums(rows: dict[str, jax.Array]) -> dict[str, float]:
+    if not rows:
+        return {}
+    sums = np.asarray(_checksums(rows)).tolist()  # leaves in sorted key order
+    return dict(zip(sorted(rows), sums, strict=True))
+
+
 def check_compatible(engine: Any, meta: dict[str, Any]) -> None:
     """``ValueError`` naming the first difference between a saved cache and ``engine``."""
     if meta.get("version") != FORMAT_VERSION:
@@ -167,7 +194,7 @@ def check_compatible(engine: Any, meta: dict[str, Any]) -> None:
     saved, mine = meta["fingerprint"], model_fingerprint(engine)
     for key in ("model", "dtype"):
         if saved[key] != mine[key]:
-            diff = {k: (saved[key][k], mine[key][k]) for k in mine[key]
+            diff = {k: (saved[key].get(k), mine[key][k]) for k in mine[key]
                     if saved[key].get(k) != mine[key][k]} if key == "model" else (
                 saved[key], mine[key])
             raise ValueError(f"saved cache is for a different model: {key} differs (saved, "
@@ -184,24 +211,29 @@ def check_compatible(engine: Any, meta: dict[str, Any]) -> None:
 
 
 def restore_cache(engine: Any, path: str | Path) -> None:
-    """Load ``save_cache``'s output into ``engine`` (idle, with an empty cache)."""
+    """Load ``save_cache``'s output into ``engine`` (idle, with an empty cache), all or nothing:
+    the meta, the model, the layout, the tree (rebuilt in a scratch cache first) and the pool
+    rows (shapes and checksums) are checked before the engine is touched. Any failure is a
+    ``ValueError`` naming the directory and what is wrong, and leaves the engine as it was."""
     _require_idle(engine, "restore")
     src = Path(path)
-    if not (src / "meta.json").is_file():
-        raise ValueError(f"{str(src)!r} holds no saved cache (no meta.json)")
-    meta = json.loads((src / "meta.json").read_text())
-    check_compatible(engine, meta)
     stats = engine.cache.stats()
     if stats["pages_tree"] or stats["slots_tree"] or stats["pages_held"] or stats["slots_held"]:
         raise ValueError("restore needs an empty cache; this engine already holds "
                          f"{stats['pages_tree']} pages and {stats['slots_tree']} slots")
-    tree = meta["tree"]
-    page_map, slot_map = load_tree(engine.cache, tree)
-    if not page_map and not slot_map:
+    try:
+        meta = _read_meta(src)
+        check_compatible(engine, meta)
+        tree = meta["tree"]
+        check_tree_data(tree)
+        load_tree(make_cache_from_config(engine.cfg.cache), tree)  # the dry run
+        rows = _read_rows(engine, src, meta) if tree["states"] else {}
+    except ValueError as err:
+        raise ValueError(f"cannot restore the cache from {str(src)!r}: {err}") from None
+    if not rows:
         return
+    page_map, slot_map = load_tree(engine.cache, tree)
     pools = engine.runner.pools
-    rows = _restore_tree(src / "pools", _row_shapes(pools, len(tree["pages"]),
-                                                    len(tree["slots"])))
     new_pages = jnp.asarray([page_map[p] for p in tree["pages"]], jnp.int32)
     new_slots = jnp.asarray([slot_map[s] for s in tree["slots"]], jnp.int32)
     changes = {}
@@ -210,6 +242,49 @@ def restore_cache(engine: Any, path: str | Path) -> None:
         changes[f] = tuple(_scatter(a, ids, rows[f"{f}_{i}"])
                            for i, a in enumerate(getattr(pools, f)))
     engine.runner.pools = pools.replace(**changes)
+
+
+META_KEYS = ("version", "fingerprint", "layout", "tree", "pools", "row_checksums")
+
+
+def _read_meta(src: Path) -> dict[str, Any]:
+    if not (src / "meta.json").is_file():
+        raise ValueError("it holds no saved cache (no meta.json)")
+    try:
+        meta = json.loads((src / "meta.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"meta.json is not valid JSON ({err}): a damaged save") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"saved cache format {meta.get('version')!r}, expected {FORMAT_VERSION}")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"meta.json lacks {missing}")
+    return meta
+
+
+def _read_rows(engine: Any, src: Path, meta: dict[str, Any]) -> dict[str, jax.Array]:
+    """The saved pool rows, checked against the tree's counts and ``meta``'s checksums."""
+    name, tree = meta["pools"], meta["tree"]
+    if not isinstance(name, str) or not re.fullmatch(r"pools[-\w]*", name):
+        raise ValueError(f"meta.json names the pools directory {name!r}")
+    if not (src / name).is_dir():
+        raise ValueError(f"the pools directory {name!r} is missing (an interrupted save?)")
+    target = _row_shapes(engine.runner.pools, len(tree["pages"]), len(tree["slots"]))
+    try:
+        rows = _restore_tree(src / name, target)
+    except Exception as err:  # noqa: BLE001 - Orbax's errors (missing files, shapes) as ours
+        raise ValueError(f"the pool rows in {name!r} do not fit meta.json's tree "
+                         f"({len(tree['pages'])} pages, {len(tree['slots'])} slots): "
+                         f"{type(err).__name__}: {str(err)[:300]}") from None
+    saved, got = meta["row_checksums"], _row_checksums(rows)
+    if not isinstance(saved, dict) or sorted(saved) != sorted(got) or not np.allclose(
+            [saved[k] for k in sorted(got)], [got[k] for k in sorted(got)], rtol=1e-5,
+            atol=1e-6):
+        raise ValueError(f"the pool rows in {name!r} are not the ones meta.json was saved "
+                         "with (checksums differ: pools from another save?)")
+    return rows
 
 
 def _row_shapes(pools: Any, num_pages: int, num_slots: int) -> dict[str, Any]:
