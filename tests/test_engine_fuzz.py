@@ -113,17 +113,17 @@ def test_fuzz_without_failures_finishes_every_request(overlap):
 def _wrong_read_slot(orig):
     def spec(self, s):
         out = orig(self, s)
-        if out.read_slot and not s.req.state_valid:  # a hit reads its own fresh slot instead
-            return type(out)(**{**out.__dict__, "read_slot": s.req.running_slot})
+        if out.read_slot and not s.req.lease.state_valid:  # a hit reads its own fresh slot
+            return type(out)(**{**out.__dict__, "read_slot": s.req.lease.running_slot})
         return out
     return spec
 
 
 def _wrong_end_slot(orig):
     def release(self, req, *, keep):
-        n = req.num_computed
-        if keep and req.state_valid and n % self.page_size == 0 and n > self.page_size:
-            req.num_computed = n - self.page_size  # the running state published one page early
+        n, lease, ps = req.num_computed, req.lease, self.manager.page_size
+        if keep and lease.state_valid and n % ps == 0 and n > ps:
+            lease.num_computed = n - ps  # the running state published one page early
         return orig(self, req, keep=keep)
     return release
 

@@ -12,6 +12,7 @@ from shadow_helpers import greedy, shadow_engine
 import mambacache as mc
 from mambacache.config import SpeculativeConfig
 from mambacache.engine.drafters import MtpDrafter, NgramDrafter, make_drafter
+from mambacache.engine.lease import Lease
 from mambacache.engine.shadow_runner import DataflowError
 from mambacache.engine.speculative import SpecDecoder
 
@@ -127,7 +128,7 @@ def test_abort_mid_verify_frees_everything():
     while eng.has_unfinished():
         outs += eng.step()
     eng.check_integrity()  # idle: no leaked page, slot or lane
-    assert sorted(eng.scheduler.speculative._free_lanes) == list(range(8))
+    assert eng.scheduler.speculative.free_lanes() == list(range(8))
     for out in outs:
         assert out.output_token_ids == eng.runner.expected_output(out.prompt_token_ids, 60)
 
@@ -142,7 +143,7 @@ def test_failing_verify_step(lose):
         if out.finish_reason == "length":
             assert out.output_token_ids == eng.runner.expected_output(out.prompt_token_ids, 40)
     eng.check_integrity()
-    assert sorted(eng.scheduler.speculative._free_lanes) == list(range(8))
+    assert eng.scheduler.speculative.free_lanes() == list(range(8))
     assert eng.metrics()["failed_steps"] == 1
 
 
@@ -187,17 +188,17 @@ def test_fuzz_speculative():
 
 
 def _state_one_late(orig):
-    def accept(self, sched, s, tokens, stops):
-        emitted = orig(self, sched, s, tokens, stops)
+    def accept(self, s, tokens, stops):
+        emitted = orig(self, s, tokens, stops)
         if emitted < len(s.targets):  # the rollback picks the state one offset too late
-            s.req.state_slot = s.targets[emitted]
+            s.req.lease.state_slot = s.targets[emitted]
         return emitted
     return accept
 
 
 def _emit_one_more(orig):
-    def accept(self, sched, s, tokens, stops):
-        emitted = orig(self, sched, s, tokens, stops)
+    def accept(self, s, tokens, stops):
+        emitted = orig(self, s, tokens, stops)
         if emitted <= len(s.drafts):  # a rejected draft slips through as verified
             s.req.output_ids.append(int(s.drafts[emitted - 1]))
         return emitted
@@ -212,17 +213,18 @@ def _no_end_copy(orig):
 
 
 def _keep_rejected_boundaries(orig):
-    def settle(self, sched, req, start, end, n):
-        return orig(self, sched, req, start, end, end)  # as if every draft was accepted
+    def settle(self, start, end, n):
+        return orig(self, start, end, end)  # as if every draft was accepted
     return settle
 
 
 @pytest.mark.parametrize("plant", [("accept", _state_one_late), ("accept", _emit_one_more),
                                    ("release", _no_end_copy),
-                                   ("_settle_boundaries", _keep_rejected_boundaries)])
+                                   ("settle_window", _keep_rejected_boundaries)])
 def test_planted_rollback_bugs_are_found(monkeypatch, plant):
     name, bug = plant
-    monkeypatch.setattr(SpecDecoder, name, bug(getattr(SpecDecoder, name)))
+    owner = Lease if name == "settle_window" else SpecDecoder
+    monkeypatch.setattr(owner, name, bug(getattr(owner, name)))
     with pytest.raises((DataflowError, AssertionError)):
         for seed in range(24):
             _fuzz(seed)

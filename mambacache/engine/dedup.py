@@ -14,9 +14,14 @@ deferred request never waits on something that cannot happen.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mambacache.engine.cache_manager import CacheManager
+    from mambacache.engine.request import Request
 
 #: waiting requests compared with each admitted one (bounds the host cost per admission)
 DEDUP_WINDOW = 16
@@ -28,7 +33,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def _common_with(tokens: np.ndarray, other: Any) -> int:
+def _common_with(tokens: np.ndarray, other: Request) -> int:
     """``_common_prefix(tokens, other.token_ids)``, building ``token_ids`` (prompt + outputs)
     only when ``tokens`` matches the whole prompt."""
     prompt = other.prompt
@@ -38,7 +43,7 @@ def _common_with(tokens: np.ndarray, other: Any) -> int:
     return _common_prefix(tokens, other.token_ids)
 
 
-def _head(req: Any, tokens: np.ndarray, head_len: int) -> bytes:
+def _head(req: Request, tokens: np.ndarray, head_len: int) -> bytes:
     """The bytes of ``tokens[:head_len]`` (``tokens`` = ``req.token_ids``), sliced from the
     prompt's bytes when they lie in the prompt."""
     if head_len <= req.prompt_len:
@@ -46,58 +51,54 @@ def _head(req: Any, tokens: np.ndarray, head_len: int) -> bytes:
     return tokens[:head_len].tobytes()
 
 
-def shared_with_waiting(sched: Any, req: Any, cached_len: int) -> set[int]:
+def shared_with_waiting(manager: CacheManager, req: Request, waiting: Iterable[Request],
+                        cached_len: int) -> set[int]:
     """Page-aligned positions ``p``, ``cached_len < p < len(req.token_ids)``, where a waiting
     request's prompt leaves ``req``'s tokens (each the state that waiting request will want)."""
-    ps = sched.page_size
     tokens = req.token_ids
     out: set[int] = set()
-    head_len = cached_len + ps
+    head_len = cached_len + manager.page_size
     if len(tokens) <= head_len:
         return out
     # cheap filter first (one C-level compare per waiting request): sharing more than
     # cached_len needs the first cached_len + page_size tokens in common
     head = _head(req, tokens, head_len)
     key = req.extra_key
-    for other in [o for o in itertools.islice(sched.waiting, DEDUP_WINDOW)
+    for other in [o for o in itertools.islice(waiting, DEDUP_WINDOW)
                   if o.prompt_bytes.startswith(head) and o.extra_key == key]:
         theirs = other.prompt
-        common = min(_common_prefix(tokens, theirs), len(theirs) - 1) // ps * ps
+        common = manager.page_floor(min(_common_prefix(tokens, theirs), len(theirs) - 1))
         if cached_len < common < len(tokens):
             out.add(common)
     return out
 
 
-def inflight_branch(sched: Any, req: Any, cached_len: int, branch_len: int) -> int | None:
+def inflight_branch(manager: CacheManager, req: Request, running: Sequence[Request],
+                    cached_len: int, branch_len: int) -> int | None:
     """``None`` if ``req`` should wait for a running prefill that will publish a longer shared
     prefix; otherwise the branch position to plan for ``req`` (past ``branch_len`` when a
     running request already computed the shared prefix without keeping a state there)."""
-    if not sched.cfg.cache.enable:
+    if not manager.enable:
         return branch_len
-    ps = sched.page_size
     tokens = req.token_ids
     # a common prefix past cached_len (page aligned) starts with these head_len tokens: a running
     # request whose prompt does not is skipped with one C-level compare
-    head_len = (cached_len // ps + 1) * ps
+    head_len = manager.next_page_boundary(cached_len)
     head = _head(req, tokens, head_len) if head_len <= len(tokens) else None
-    for other in sched.running:
+    for other in running:
         if other.extra_key != req.extra_key:
             continue
         if head is not None and head_len <= other.prompt_len \
                 and not other.prompt_bytes.startswith(head):
             continue  # shares less than head_len tokens: common <= cached_len
-        common = min(_common_with(tokens, other), len(tokens) - 1) // ps * ps
+        common = manager.page_floor(min(_common_with(tokens, other), len(tokens) - 1))
         if common <= cached_len:
             continue
-        if common <= other.num_computed or other.prefilled or common >= other.num_tokens:
+        lease = other.lease
+        if common <= lease.num_computed or lease.prefilled or common >= other.num_tokens:
             branch_len = max(branch_len, common)
             continue
-        if common in other.pending_snapshots:
-            return None
-        slots = sched.cache.alloc_slots(1)
-        if slots is None:
-            branch_len = max(branch_len, common)
-            continue
-        other.pending_snapshots[common] = int(slots[0])
-        return None
+        if lease.plans(common) or lease.plan_snapshot(common):
+            return None  # it waits for that snapshot
+        branch_len = max(branch_len, common)  # no slot for it
     return branch_len

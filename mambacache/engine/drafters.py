@@ -20,12 +20,16 @@ or this step's sample) and where each row's drafting starts.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from mambacache.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from mambacache.engine.request import Request
+    from mambacache.engine.step_plan import ScheduledSeq
 
 
 class Drafter:
@@ -36,7 +40,7 @@ class Drafter:
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         raise NotImplementedError
 
-    def propose_for(self, req: Any, k: int) -> list[int]:
+    def propose_for(self, req: Request, k: int) -> list[int]:
         return self.propose(req.token_ids, k)
 
     def forget(self, request_id: int) -> None:
@@ -88,10 +92,10 @@ class MtpDrafter(Drafter):
         del cfg  # the step makes ``speculative.num_draft_tokens`` drafts per row
         self._drafts: dict[int, list[int]] = {}
 
-    def propose_for(self, req: Any, k: int) -> list[int]:
+    def propose_for(self, req: Request, k: int) -> list[int]:
         return self._drafts.get(req.request_id, [])[:max(k, 0)]
 
-    def observe(self, scheduled: Sequence[Any], drafts: np.ndarray) -> None:
+    def observe(self, scheduled: Sequence[ScheduledSeq], drafts: np.ndarray) -> None:
         """Keep row ``b``'s drafts (``drafts[b]``, int32 ``[k]``) for its request if it sampled."""
         for b, s in enumerate(scheduled):
             if s.drafts or s.samples:
@@ -101,7 +105,7 @@ class MtpDrafter(Drafter):
         self._drafts.pop(request_id, None)
 
 
-def mtp_inputs(scheduled: Sequence[Any], num_tokens: int,
+def mtp_inputs(scheduled: Sequence[ScheduledSeq], num_tokens: int,
                num_seqs: int) -> dict[str, np.ndarray]:
     """The host's part of ``models.mtp.mtp_draft``'s ``inputs`` for one step (packed like
     ``build_forward_batch``): per position the next token if known here (``next_ids``), else

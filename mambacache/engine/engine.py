@@ -4,34 +4,31 @@
     outs = engine.generate([[5, 17, 3, 99]], SamplingParams(max_new_tokens=8))
 
 ``add_request`` / ``step`` / ``abort`` drive it incrementally (the benchmark does).
-
-One thread at a time (``engine/thread_guard.py``): a call from a second thread while another
-is inside the engine (a step running) is a ``RuntimeError`` naming both; nothing is serialised
-or interleaved. The server drives the engine from its one ``EngineLoop`` thread.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from absl import logging
 
-from mambacache.cache.radix import make_cache_from_config
+from mambacache.cache.base import CacheBase
 from mambacache.config import EngineConfig
+from mambacache.engine.cache_manager import CacheManager
 from mambacache.engine.checks import check_engine_integrity, validate_request
 from mambacache.engine.loading import load_model, model_dtype
 from mambacache.engine.metrics import EngineMetrics
-from mambacache.engine.overlap import overlap_step
 from mambacache.engine.request import Request, RequestOutput, Status
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.speculative import num_state_slots, spec_metrics
-from mambacache.engine.step_plan import ScheduledSeq, first_logit_row
-from mambacache.engine.thread_guard import owned
+from mambacache.engine.step_loop import InFlight, Runner, StepLoop
+
+if TYPE_CHECKING:
+    from mambacache.engine.pools import PoolState
 
 __all__ = ["Engine", "load_model", "model_dtype"]
 
@@ -42,7 +39,7 @@ MAX_IDLE_STEPS = 2
 
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, *, model: tuple[Any, Any] | None = None,
-                 runner: Any = None):
+                 runner: Runner | None = None):
         """``model``: an already loaded ``(model_cfg, params)`` to share between engines.
         ``runner``: a runner to use instead of the model's (``ShadowRunner``: no model, no
         device; its ``model_cfg`` gives the vocabulary and context length)."""
@@ -53,20 +50,21 @@ class Engine:
         else:
             self.model_cfg, params = model if model is not None else load_model(cfg)
             self.runner = self._model_runner(params)
-        self.scheduler = Scheduler(cfg, self._new_cache())
+        self.manager = CacheManager(cfg.cache)
+        self.scheduler = Scheduler(cfg, self.manager)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineMetrics()
-        self.in_flight = None  # [overlap] the dispatched step whose tokens are not read yet
-        # the step loop: overlapped (engine/overlap.py) unless off or speculative (verify rows)
+        # the step loop: overlapped (depth 1) unless off or speculative (verify rows)
         self.overlap = cfg.scheduler.overlap and not cfg.speculative.enabled
+        self.loop = StepLoop(self, depth=int(self.overlap))
         if cfg.scheduler.overlap and cfg.speculative.enabled:
             logging.info("scheduler.overlap with speculative decoding: the synchronous loop runs")
         logging.info("engine ready: %s, %d KV pages of %d tokens, %d state slots, cache %s",
                      type(self.runner).__name__, cfg.cache.num_pages, cfg.cache.page_size,
                      cfg.cache.num_mamba_slots, "on" if cfg.cache.enable else "off")
 
-    def _model_runner(self, params: Any) -> Any:
+    def _model_runner(self, params: Any) -> Runner:
         from mambacache.engine.pools import PoolState
         from mambacache.engine.runner import ModelRunner
 
@@ -102,26 +100,28 @@ class Engine:
 
         return pool_field_sharding(self.mesh)
 
-    def _new_cache(self):
-        return make_cache_from_config(self.cfg.cache)  # every cache key, speculative states too
+    @property
+    def cache(self) -> CacheBase:
+        return self.manager.cache
 
     @property
-    def cache(self):
-        return self.scheduler.cache
+    def in_flight(self) -> InFlight | None:
+        """[overlap] The dispatched step whose tokens are not read yet."""
+        return self.loop.in_flight
 
     # ---- requests --------------------------------------------------------------------------
-    @owned
     def add_request(self, prompt: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
                     *, extra_key: str | None = None) -> int:
         """Queue a request; bad input is a ``ValueError`` raised before anything is held."""
         params = params if params is not None else SamplingParams()
-        tokens = validate_request(prompt, params, extra_key, self.model_cfg, self.cfg)
+        tokens = validate_request(prompt, params, extra_key, self.model_cfg,
+                                  self.manager.kv_capacity_tokens)
         rid = next(self._ids)
-        self.requests[rid] = Request(rid, tokens, params, extra_key=extra_key)
+        self.requests[rid] = Request(rid, tokens, params, extra_key=extra_key,
+                                     lease=self.manager.lease())
         self.scheduler.waiting.append(self.requests[rid])
         return rid
 
-    @owned
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request and free everything it holds; its output so far, or None if unknown."""
         req = self.requests.pop(request_id, None)
@@ -139,7 +139,6 @@ class Engine:
         is one of them (a step in flight with no such row holds only dropped tokens)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    @owned
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, extra_keys: Sequence[str | None] | None = None) -> list[RequestOutput]:
@@ -164,152 +163,12 @@ class Engine:
         return [done[r] for r in rids]
 
     # ---- one step --------------------------------------------------------------------------
-    @owned
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and account one step; returns the requests that finished in it.
-        [overlap] Dispatches step N+1, then reads step N (``engine/overlap.py``): the finished
-        requests are those whose tokens were read in this call."""
-        if self.overlap:
-            return overlap_step(self)
-        t_start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        self._flush_slot_copies()  # ends released while scheduling (preemption)
-        if not scheduled:
-            return []
-        if self.cfg.scheduler.check_integrity_every_step:
-            self.scheduler.check_step(scheduled)
-        t_dispatch = time.perf_counter()
-        try:
-            tokens, logprobs = self.runner.run(scheduled)
-        except AssertionError:
-            raise  # a broken invariant (the shadow runner's data-flow check) is a bug: no retry
-        except Exception as err:  # noqa: BLE001 - a failed step fails its requests only
-            return self._fail_step(scheduled, err)
-        # Overlap: the step runs asynchronously; account progress and publish finished prefills
-        # to the tree while it does. Only the sampled tokens need the device.
-        # A verify row's progress depends on its sampled tokens: it is recorded after the sync.
-        for s in scheduled:
-            if not s.drafts:
-                self._advance(s)
-        t_wait = time.perf_counter()
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-        self._observe_drafts(scheduled)
-        t_synced = time.perf_counter()
-        finished = self._collect(scheduled, tokens, logprobs, t_synced)
-        self._flush_slot_copies()  # ends released by finishes
-        now = time.perf_counter()
-        self.stats.on_step(self, scheduled, host_s=now - t_start - (t_synced - t_wait),
-                           wall_s=now - t_start, busy_s=t_synced - t_dispatch, t_start=t_start)
-        if self.cfg.scheduler.check_integrity_every_step:
-            self.check_integrity()
-        return finished
+        """Schedule, run and account one step (``engine/step_loop.py``); the requests that
+        finished in it. [overlap] Dispatches step N+1, then reads step N: the finished requests
+        are those whose tokens were read in this call."""
+        return self.loop.step()
 
-    def _collect(self, scheduled: list[ScheduledSeq], tokens: np.ndarray, logprobs: np.ndarray,
-                 now: float) -> list[RequestOutput]:
-        """Append each row's sampled token(s) (``tokens``, ``logprobs``: one per logits row);
-        the requests that finished."""
-        finished = []
-        for s, i in zip(scheduled, first_logit_row(scheduled), strict=True):
-            if s.drafts:
-                out = self._accept_verify(s, tokens[i:i + len(s.drafts) + 1],
-                                          logprobs[i:i + len(s.drafts) + 1], now)
-            else:
-                out = s.samples and self._append(s.req, int(tokens[i]), float(logprobs[i]), now)
-            if out:
-                finished.append(out)
-        return finished
-
-    def _accept_verify(self, s: ScheduledSeq, tokens: np.ndarray, logprobs: np.ndarray,
-                       now: float) -> RequestOutput | None:
-        """[speculative] Emit the verified prefix of a verify row plus the target's next token
-        (``engine/speculative.py``); the request's state becomes the one after them."""
-        req, n_out = s.req, len(s.req.output_ids)
-        emitted = self.scheduler.speculative.accept(
-            self.scheduler, s, tokens,
-            lambda j: self._finish_reason(req, int(tokens[j]), n_out + j + 1) is not None)
-        out = None
-        for j in range(emitted):
-            out = self._append(req, int(tokens[j]), float(logprobs[j]), now)
-        return out
-
-    def _observe_drafts(self, scheduled: list[ScheduledSeq]) -> None:
-        """[speculative mtp] Keep the drafts the step made for each row's next step."""
-        drafts = getattr(self.runner, "last_drafts", None)
-        if drafts is not None:
-            self.scheduler.speculative.drafter.observe(scheduled, np.asarray(drafts))
-
-    def _flush_slot_copies(self) -> None:
-        """[speculative] Copy scratch end states into the running slots the tree adopted, before
-        any later step can read them (the pools' data dependency orders it)."""
-        spec = self.scheduler.speculative
-        if spec is not None and spec.slot_copies:
-            self.runner.copy_slots(spec.take_copies())
-
-    def _advance(self, s: ScheduledSeq) -> None:
-        self.scheduler.advance(s)
-        if s.end - s.start > 1 or s.start < s.req.prompt_len:
-            self.stats.computed_prefill_tokens += s.end - s.start
-
-    def _append(self, req: Request, token: int, logprob: float,
-                now: float) -> RequestOutput | None:
-        """Record a sampled token; finish the request if it is done."""
-        req.output_ids.append(token)
-        req.output_logprobs.append(logprob)
-        req.token_times_s.append(now)
-        if req.first_token_s is None:
-            req.first_token_s = now
-        reason = self._finish_reason(req, token, len(req.output_ids))
-        if reason is None:
-            return None
-        self.scheduler.finish(req, reason)
-        self.stats.on_finish(req)
-        self.requests.pop(req.request_id, None)
-        return req.to_output()
-
-    def _finish_reason(self, req: Request, token: int, num_out: int) -> str | None:
-        """Why ``req`` ends with ``token`` as its ``num_out``-th output token (None: it goes on)."""
-        p = req.params
-        eos = getattr(self.model_cfg, "eos_token_id", None)
-        if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
-            return "stop"
-        if num_out >= p.max_new_tokens:
-            return "length"
-        return None
-
-    def _fail_step(self, scheduled: list[ScheduledSeq], err: Exception, *,
-                   lost: bool | None = None) -> list[RequestOutput]:
-        """A step raised: fail its requests; if the donated pools are gone (``lost``: the runner
-        says), everything running or with a token in flight fails and the pools and the cache
-        start empty (no state can outlive its pools)."""
-        victims = [s.req for s in scheduled]
-        lost = self.runner.pools_lost() if lost is None else lost
-        if lost:
-            victims += [r for r in self.scheduler.running if r not in victims]
-            victims += [r for r in self.scheduler.waiting if r.num_pending]  # [overlap]
-        outs = []
-        logging.warning("step failed (%s: %s): %d requests fail%s", type(err).__name__, err,
-                        len(victims), ", pools lost: the cache starts empty" if lost else "")
-        for req in victims:
-            req.error = f"{type(err).__name__}: {err}"
-            if lost:
-                queue = self.scheduler.running if req.status is Status.RUNNING \
-                    else self.scheduler.waiting
-                queue.remove(req)
-                self.scheduler.num_finished += 1
-                req.status, req.finish_reason = Status.FINISHED, "error"
-            else:
-                self.scheduler.finish(req, "error", keep=False)
-            self.requests.pop(req.request_id, None)
-            outs.append(req.to_output())
-        if lost:
-            self.runner.reset_pools()
-            if self.scheduler.speculative is not None:
-                self.scheduler.speculative.reset()
-            self.scheduler.cache = self._new_cache()
-        self.stats.failed_steps += 1
-        return outs
-
-    @owned
     def warmup(self, max_seq_len: int | None = None) -> dict[str, Any]:
         """Compile every step program this configuration can run (sequences up to
         ``max_seq_len`` tokens; default the model's context) on an idle engine, leaving its
@@ -319,15 +178,26 @@ class Engine:
 
         return warmup(self, max_seq_len)
 
-    # ---- [parallel] warm restarts: mambacache/checkpoint.py -------------------------------------
-    @owned
+    # ---- [parallel] warm restarts: parallel/checkpoint.py -----------------------------------
+    @property
+    def pools(self) -> PoolState:
+        """The device pools (a model runner's; the shadow runner has none)."""
+        return self.runner.pools
+
+    def replace_pools(self, pools: PoolState) -> None:
+        """Swap in ``pools`` of the same layout (restored rows); on an idle engine only."""
+        if self.has_unfinished():
+            raise ValueError(f"cannot replace the pools while requests run "
+                             f"({len(self.scheduler.running)} running, "
+                             f"{len(self.scheduler.waiting)} waiting)")
+        self.runner.pools = pools
+
     def save(self, path: str) -> None:
         """Save the whole cache (tree + the pool rows it owns) to directory ``path``; idle only."""
         from mambacache.parallel.checkpoint import save_cache
 
         save_cache(self, path)
 
-    @owned
     def restore(self, path: str) -> None:
         """Load a cache saved by ``save`` into this idle engine; ``ValueError`` if the model or
         the cache layout differ."""
@@ -336,11 +206,9 @@ class Engine:
         restore_cache(self, path)
 
     # ---- observability ---------------------------------------------------------------------
-    @owned
     def metrics(self) -> dict[str, Any]:
         return {**self.stats.as_dict(self), **spec_metrics(self.scheduler.speculative)}
 
-    @owned
     def check_integrity(self) -> None:
         """Raise if any invariant of the tree, the pools or the requests is broken."""
         check_engine_integrity(self)

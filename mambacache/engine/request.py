@@ -1,23 +1,17 @@
-"""Host-side request state: what a request holds while it waits, runs and finishes.
+"""Host-side request state: tokens, sampling params, status, outputs, timing, and its lease.
 
-Invariants (checked by ``Engine.check_integrity``):
-  * a RUNNING request owns exactly one running state slot (``running_slot``) and the KV pages in
-    ``own_page_ids``; ``page_ids = cached_page_ids + own_page_ids`` cover ``kv_len`` tokens;
-  * ``pending_snapshots`` map positions (tokens) to slots planned for this request; those slots
-    belong to the cache from the moment they are planned and are handed to it on insert;
-  * ``num_computed`` tokens of ``token_ids`` have been fed through the model; the state in
-    ``state_slot`` (the running slot, or a page-boundary decode snapshot it planned) is the state
-    after exactly ``num_computed`` tokens once the first step ran (``state_valid``);
-  * a request goes through the decode path only when ``prefilled`` (its prefill's last chunk
-    ran); until then its snapshots are published as soon as they are written;
+A request's cache state (matched node, slots, pages, planned snapshots, scratch lane, computed
+tokens) is its ``lease`` (``engine/lease.py``), changed only by the lease's transitions.
+
+Invariants:
+  * ``token_ids`` are the known tokens (prompt + outputs read); ``lease.num_computed`` of them
+    went through the model;
   * overlap (``scheduler.overlap``): ``num_pending`` tokens were sampled by dispatched rows and
-    not read yet (the ``pending_row`` of the step in flight samples the newest). ``token_ids``
-    are the known tokens only; ``num_tokens`` counts the pending ones too. At scheduling time
-    ``num_pending <= 1``: a decoding request's row feeds its pending token from the device, and
-    a request with a pending token is never admitted (it waits for the token to be read);
-  * every slot a request reads is its own or the state of ``match_node``, which it keeps locked;
-  * with speculative decoding, ``state_slot`` may be one of ``scratch_slots`` (its lane, outside
-    the cache's slots; ``engine/speculative.py``); ``token_ids`` holds verified tokens only.
+    not read yet (the ``pending_row`` of the step in flight samples the newest); ``num_tokens``
+    counts them too. At scheduling time ``num_pending <= 1``: a decoding request's row feeds its
+    pending token from the device, and a request with a pending token is never admitted (it
+    waits for the token to be read); written only by ``mark_pending`` / ``pending_read``;
+  * with speculative decoding ``token_ids`` holds verified tokens only.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mambacache.engine.lease import Lease
 from mambacache.engine.sampling_params import SamplingParams
 
 
@@ -94,34 +89,16 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
-    # cache bookkeeping while running
-    match_node: Any = None
-    read_slot: int | None = None  # slot of the cached state (None: zero state); first step only
-    running_slot: int | None = None
-    cached_page_ids: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, np.int32))
-    own_page_ids: np.ndarray = dataclasses.field(  # int32, pages this request allocated
-        default_factory=lambda: np.zeros(0, np.int32))
-    pending_snapshots: dict[int, int] = dataclasses.field(default_factory=dict)
-    scratch_slots: tuple[int, ...] = ()  # speculative lane: k + 1 slots outside the cache's
-    snapshots_in_flight: set[int] = dataclasses.field(default_factory=set)  # scheduled positions
-    num_computed: int = 0  # tokens fed through the model (cached ones included)
+    lease: Lease = dataclasses.field(kw_only=True)  # its cache state (CacheManager.lease())
     num_pending: int = 0  # [overlap] tokens sampled by dispatched rows, not read yet
     pending_row: int = -1  # [overlap] the row of the step in flight that samples the newest
     cached_tokens: int = 0  # prompt tokens served from the cache (first admission)
-    prefilled: bool = False  # the chunk reaching the last token ran: decode from here on
-    state_valid: bool = False  # state_slot holds the state after num_computed tokens
-    state_slot: int | None = None  # running_slot, or a page-boundary snapshot just written
     finish_reason: str | None = None
     error: str | None = None
     arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
-    # (cached_page_ids, own_page_ids, their concatenation): ``page_ids`` of the last call; the
-    # page arrays are never written in place, only reassigned, so identity says it is current
-    _page_ids_memo: tuple | None = dataclasses.field(default=None, init=False, repr=False)
-
     #: the prompt's int32 bytes (prefix comparisons by slicing, without numpy calls)
     prompt_bytes = _PromptBytes()
 
@@ -161,20 +138,18 @@ class Request:
         return self.num_tokens - self.num_computed
 
     @property
-    def page_ids(self) -> np.ndarray:
-        """``cached_page_ids + own_page_ids`` (int32; read only: it may be either part itself or
-        the concatenation kept from the last call while neither part was reassigned)."""
-        cached, own = self.cached_page_ids, self.own_page_ids
-        if not len(cached):
-            return own
-        if not len(own):
-            return cached
-        memo = self._page_ids_memo
-        if memo is not None and memo[0] is cached and memo[1] is own:
-            return memo[2]
-        joined = np.concatenate([cached, own])
-        self._page_ids_memo = (cached, own, joined)
-        return joined
+    def num_computed(self) -> int:
+        """Tokens fed through the model (cached ones included): the lease's count."""
+        return self.lease.num_computed
+
+    def mark_pending(self, row: int) -> None:
+        """[overlap] Row ``row`` of the step just dispatched samples this request's next token."""
+        self.num_pending += 1
+        self.pending_row = row
+
+    def pending_read(self) -> None:
+        """[overlap] The oldest pending token was read (and is appended next)."""
+        self.num_pending -= 1
 
     def to_output(self) -> RequestOutput:
         now = time.perf_counter()

@@ -28,11 +28,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mambacache.engine.step_plan import ScheduledSeq, is_decode_step, step_hazards
+from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, step_hazards
+
+if TYPE_CHECKING:
+    from mambacache.cache.base import CacheBase
+    from mambacache.config import EngineConfig
+    from mambacache.engine.request import Request
 
 
 class DataflowError(AssertionError):
@@ -90,6 +95,7 @@ class ShadowRunner:
         self.num_steps = 0
         self.decode_steps = 0
         self.run_s = 0.0  # host seconds spent in ``run`` (the oracle's own cost)
+        self.last_drafts = None  # drafts made by the step itself: none here (``Runner``)
         self.last_request_ids: list[int] = []
         self.program_keys: set[tuple] = set()
         self._widths: dict[int, int] = {}
@@ -114,7 +120,7 @@ class ShadowRunner:
             return np.cumsum((tokens.astype(np.uint64) + np.uint64(1)) * self._coef[:n],
                              dtype=np.uint64)
 
-    def _req_keys(self, req: Any) -> np.ndarray:
+    def _req_keys(self, req: Request) -> np.ndarray:
         """Keys of the request's known tokens (``token_ids``)."""
         keys = self._keys.get(req.request_id)
         if keys is None or len(keys) != req.prompt_len + len(req.output_ids):
@@ -186,7 +192,7 @@ class ShadowRunner:
             return _Unreadable(step), _Unreadable(step)
         return tokens, logprobs
 
-    def _locs(self, spec: Any, lo: int, hi: int) -> np.ndarray:
+    def _locs(self, spec: SeqSpec, lo: int, hi: int) -> np.ndarray:
         pos = np.arange(lo, hi)
         pages = np.asarray(spec.page_ids, np.int64)[pos // self.page_size]
         return pages * self.page_size + pos % self.page_size
@@ -222,7 +228,7 @@ class ShadowRunner:
         n = int(self.slot_len[slot])
         return 0 < n <= len(keys) and keys[n - 1] == self.slot_key[slot]
 
-    def _write(self, spec: Any, keys: np.ndarray) -> None:
+    def _write(self, spec: SeqSpec, keys: np.ndarray) -> None:
         n0, end = spec.prefix_len, spec.end
         locs = self._locs(spec, n0, end)
         self.kv_len[locs] = np.arange(n0 + 1, end + 1)
@@ -271,7 +277,7 @@ class ShadowRunner:
         for src, dst in pairs:
             self.slot_len[dst], self.slot_key[dst] = self.slot_len[src], self.slot_key[src]
 
-    def check_tree(self, cache: Any) -> None:
+    def check_tree(self, cache: CacheBase) -> None:
         """Raise ``DataflowError`` unless every state slot and KV page the radix tree holds is
         the state / KV of the tree's token path to it (no draft token, no stale row)."""
         todo = [(root, np.zeros(0, np.int32)) for root in getattr(cache, "roots", {}).values()]
@@ -301,7 +307,7 @@ class ShadowRunner:
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def for_config(cls, cfg: Any, *, vocab_size: int = 1000, context_len: int = 1 << 20,
+    def for_config(cls, cfg: EngineConfig, *, vocab_size: int = 1000, context_len: int = 1 << 20,
                    eos_token_id: int | None = None, **kwargs: Any) -> ShadowRunner:
         """A shadow runner sized for ``cfg``'s pools (an ``EngineConfig``)."""
         from mambacache.engine.speculative import num_state_slots

@@ -14,7 +14,7 @@ is overwritten by the next extend before anything reads it.
 Invariants (``check_lanes``; the data-flow oracle ``ShadowRunner`` checks the reads):
   * scratch slots are ids ``num_mamba_slots + 1 ..`` of the pools, never the cache allocator's:
     ``max_running_requests`` lanes of ``k + 1``; a running request holds at most one lane
-    (``Request.scratch_slots``), released with the request;
+    (``Lease.scratch_slots``), released with the request;
   * the tree only ever sees verified tokens: ``Request.token_ids`` grows by accepted tokens
     only, and a page-boundary snapshot planned inside a verify window is kept only if that
     position was accepted (freed otherwise);
@@ -29,14 +29,17 @@ seeded request samples the very tokens it would without speculation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mambacache.config import EngineConfig
 from mambacache.engine.drafters import make_drafter
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
+
+if TYPE_CHECKING:
+    from mambacache.engine.request import Request
 
 
 def num_state_slots(cfg: EngineConfig) -> int:
@@ -55,8 +58,6 @@ class SpecDecoder:
         self._budget: dict[int, int] = {}  # request id -> drafts its next verify may propose
         self.drafter = make_drafter(cfg.speculative)
         self.chain_room = cfg.speculative.method == "mtp"
-        self.page_size = cfg.cache.page_size
-        self.boundary_snapshots = cfg.cache.enable and self.page_size > 1
         self.scratch_base = cfg.cache.num_mamba_slots + 1
         self.num_lanes = cfg.scheduler.max_running_requests
         self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
@@ -68,22 +69,27 @@ class SpecDecoder:
         first = self.scratch_base + lane * (self.k + 1)
         return tuple(range(first, first + self.k + 1))
 
-    def _take_lane(self, req: Any) -> None:
-        if not req.scratch_slots:
+    def _take_lane(self, req: Request) -> None:
+        if not req.lease.scratch_slots:
             lane = self._free_lanes.pop()  # lanes = max_running_requests: never short
-            req.scratch_slots = self._lane_slots(lane)
+            req.lease.take_lane(self._lane_slots(lane))
 
-    def release(self, req: Any, *, end_snapshot: bool) -> None:
+    def free_lanes(self) -> list[int]:
+        """The lanes no request holds (sorted)."""
+        return sorted(self._free_lanes)
+
+    def release(self, req: Request, *, end_snapshot: bool) -> None:
         """``req`` gives back everything (finish, abort, preemption). ``end_snapshot``: its
         running slot becomes the end state in the tree, so a scratch state is copied there."""
         self._budget.pop(req.request_id, None)
         self.drafter.forget(req.request_id)
-        if not req.scratch_slots:
+        lease = req.lease
+        if not lease.scratch_slots:
             return
-        if end_snapshot and req.state_slot in req.scratch_slots:
-            self.slot_copies.append((req.state_slot, req.running_slot))
-        self._free_lanes.append((req.scratch_slots[0] - self.scratch_base) // (self.k + 1))
-        req.scratch_slots = ()
+        if end_snapshot and lease.state_slot in lease.scratch_slots:
+            self.slot_copies.append((lease.state_slot, lease.running_slot))
+        lane = lease.drop_lane()
+        self._free_lanes.append((lane[0] - self.scratch_base) // (self.k + 1))
 
     def reset(self) -> None:
         """The pools are gone (a failed step consumed them): every lane is free again."""
@@ -96,52 +102,43 @@ class SpecDecoder:
         return copies
 
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, sched: Any, req: Any) -> ScheduledSeq | None:
+    def plan(self, req: Request) -> ScheduledSeq | None:
         """A verify row for ``req`` (prefilled, pages grown to ``num_tokens``), or None for a
         plain decode: no draft, or no room (drafts never preempt: they use pages the request
         can get without it)."""
         remaining = req.params.max_new_tokens - len(req.output_ids)
         budget = self._budget.get(req.request_id, self.k)
         drafts = self.drafter.propose_for(req, min(budget, remaining - 1))
-        start = req.num_computed
+        start, lease = req.num_computed, req.lease
         if drafts and self.chain_room:  # [mtp] room for the chained drafts' K/V if free
-            sched._grow(req, start + 1 + len(drafts) + self.k - 1)
-        if drafts and not sched._grow(req, start + 1 + len(drafts)):
-            room = len(req.page_ids) * self.page_size - (start + 1)
-            drafts = drafts[:max(room, 0)]
+            lease.grow(start + 1 + len(drafts) + self.k - 1)
+        if drafts and not lease.grow(start + 1 + len(drafts)):
+            drafts = drafts[:max(lease.room(start + 1), 0)]
         if not drafts:
             return None
         self._take_lane(req)
         m = len(drafts)
-        targets = [s for s in (req.running_slot, *req.scratch_slots) if s != req.state_slot]
+        targets = [s for s in (lease.running_slot, *lease.scratch_slots)
+                   if s != lease.state_slot]
         s = ScheduledSeq(req, start, start + 1, write_slot=targets[m])
         s.drafts, s.targets = tuple(drafts), tuple(targets[:m + 1])
-        if self.boundary_snapshots:
-            for pos in range(start + 1, start + m + 2):
-                if pos % self.page_size == 0:
-                    got = sched.cache.alloc_slots(1)
-                    if got is None:
-                        sched.cache.record_skipped()
-                    else:
-                        req.pending_snapshots[pos] = int(got[0])
+        lease.plan_window_snapshots(start + 1, start + m + 2)
         return s
 
     def verify_spec(self, s: ScheduledSeq) -> SeqSpec:
         """The row: ``[last token, d_1..d_m]``, logits everywhere, a state at every offset."""
         req, start, m = s.req, s.start, len(s.drafts)
-        window = [(pos, slot) for pos, slot in sorted(req.pending_snapshots.items())
-                  if start < pos <= start + m + 1]
-        req.snapshots_in_flight.update(pos for pos, _ in window)
+        window = req.lease.row_snapshots(start, start + m + 1)
         snaps = [(j, s.targets[j - 1]) for j in range(1, m + 1)]
         snaps += [(pos - start, slot) for pos, slot in window]
-        tokens = np.concatenate([req.token_ids[start:start + 1], np.asarray(s.drafts, np.int32)])
-        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=req.page_ids,
-                       read_slot=req.state_slot, write_slot=s.write_slot, snapshots=snaps,
+        tokens = np.concatenate([req.token_slice(start, start + 1),
+                                 np.asarray(s.drafts, np.int32)])
+        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=req.lease.page_ids,
+                       read_slot=req.lease.state_slot, write_slot=s.write_slot, snapshots=snaps,
                        logits="all")
 
     # ---- after the step --------------------------------------------------------------------
-    def accept(self, sched: Any, s: ScheduledSeq, tokens: np.ndarray,
-               stops: Callable[[int], bool]) -> int:
+    def accept(self, s: ScheduledSeq, tokens: np.ndarray, stops: Callable[[int], bool]) -> int:
         """Record the outcome of a verify row; returns ``e``, the tokens ``tokens[:e]`` to emit.
 
         ``tokens[j]``: the target's token after position ``j`` of the row. ``stops(j)``: token
@@ -151,10 +148,8 @@ class SpecDecoder:
         accepted = accepted_drafts(s.drafts, tokens)
         emitted = next((j + 1 for j in range(accepted + 1) if stops(j)), accepted + 1)
         n = start + emitted
-        req.num_computed, req.state_valid = n, True
-        req.state_slot = s.targets[emitted - 1]
-        sched.tokens_computed += emitted
-        self._settle_boundaries(sched, req, start, start + m + 1, n)
+        req.lease.written(n, s.targets[emitted - 1], prefill_done=True)
+        req.lease.settle_window(start, start + m + 1, n)
         if self.adaptive:
             self._budget[req.request_id] = min(self.k, accepted + 1)
         self.verify_steps += 1
@@ -162,19 +157,6 @@ class SpecDecoder:
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
         return emitted
-
-    def _settle_boundaries(self, sched: Any, req: Any, start: int, end: int, n: int) -> None:
-        """Free the window's snapshots past the accepted ``n`` tokens (draft states); if one
-        was accepted, it is the newest page-aligned state: older pending ones go."""
-        window = [pos for pos in req.pending_snapshots if start < pos <= end]
-        kept = [pos for pos in window if pos <= n]
-        drop = [pos for pos in window if pos > n]
-        if kept:
-            drop += [pos for pos in req.pending_snapshots if pos < max(kept)]
-        if drop:
-            sched.cache.free_slots(np.asarray([req.pending_snapshots.pop(p) for p in drop],
-                                              np.int32))
-            req.snapshots_in_flight.difference_update(drop)
 
     # ---- observability ---------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -185,10 +167,10 @@ class SpecDecoder:
                 if self.draft_tokens else 0.0,
                 "spec_tokens_per_verify": self.emitted_tokens / v if v else 0.0}
 
-    def check_lanes(self, running: list[Any], tree_slots: set[int]) -> None:
+    def check_lanes(self, running: Sequence[Request], tree_slots: set[int]) -> None:
         """Raise if a lane is held twice or lost, or a scratch slot is the tree's."""
-        held = [(r.scratch_slots[0] - self.scratch_base) // (self.k + 1)
-                for r in running if r.scratch_slots]
+        held = [(r.lease.scratch_slots[0] - self.scratch_base) // (self.k + 1)
+                for r in running if r.lease.scratch_slots]
         if sorted(held + self._free_lanes) != list(range(self.num_lanes)):
             raise AssertionError(f"scratch lanes held {sorted(held)} + free "
                                  f"{sorted(self._free_lanes)} != {self.num_lanes} lanes")

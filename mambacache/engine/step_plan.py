@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mambacache.engine.request import Request
+    from mambacache.engine.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,7 @@ class ScheduledSeq:
     requests scheduled earlier in the same step).
     """
 
-    req: Any  # mambacache.engine.request.Request
+    req: Request
     start: int
     end: int
     spec: SeqSpec | None = None
@@ -82,10 +86,11 @@ class ScheduledSeq:
         return self.end == self.req.num_tokens
 
 
-def logit_rows(scheduled: Sequence[ScheduledSeq]) -> tuple[list[Any], list[int]]:
+def logit_rows(
+        scheduled: Sequence[ScheduledSeq]) -> tuple[list[SamplingParams | None], list[int]]:
     """Per logits row of a step, in order: the sampling params (None: not sampled) and the
     index of the output token drawn there. A ``logits="all"`` row (verify) has one per token."""
-    params: list[Any] = []
+    params: list[SamplingParams | None] = []
     steps: list[int] = []
     for s in scheduled:
         n_out = s.req.num_outputs

@@ -1,0 +1,145 @@
+"""``CacheManager``: the engine's one owner of the prefix cache and of every request's lease.
+
+It holds the cache (radix tree or the disabled cache, ``make_cache_from_config``) and the facts
+of its layout: the page size, whether caching is on, the checkpoint interval. No other engine
+module reads ``cache.page_size`` or ``cache.enable`` or does page arithmetic: they ask the
+manager (``pages_for``, ``page_floor``, ``is_page_boundary``, ``next_page_boundary``) or the
+request's ``Lease`` (``lease.py``), whose transitions are the only writers of cache state.
+
+``check`` is the engine-wide ownership check: the cache's own integrity, then every id the
+allocators list as held by a request is held by exactly one running request's lease, each held
+lease covers its computed tokens, and no waiting request holds anything.
+
+Host only, no JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from mambacache.cache.base import CacheBase
+from mambacache.cache.node import MatchResult
+from mambacache.cache.radix import make_cache_from_config
+from mambacache.config import CacheConfig
+from mambacache.engine.lease import Lease
+from mambacache.engine.request import Request, Status
+from mambacache.engine.step_checks import check_step
+from mambacache.engine.step_plan import ScheduledSeq
+
+
+def ceil_div(n: int, d: int) -> int:
+    """``ceil(n / d)`` for non-negative ints (the one page-count formula)."""
+    return -(-n // d)
+
+
+class CacheManager:
+    """The cache, its layout and the leases' factory (module docstring)."""
+
+    def __init__(self, cfg: CacheConfig):
+        self._cfg = cfg
+        self.cache: CacheBase = make_cache_from_config(cfg)  # speculative states too
+        self.page_size = cfg.page_size
+        self.enable = cfg.enable
+        self.checkpoint_interval = cfg.checkpoint_interval
+        # a decode ending on a page boundary keeps its state as a snapshot
+        self.boundary_snapshots = cfg.enable and cfg.page_size > 1
+
+    def lease(self) -> Lease:
+        """A new, empty lease for a request."""
+        return Lease(self)
+
+    def reset(self) -> None:
+        """The pools are gone (a failed step consumed them): the cache starts empty. Leases of
+        the failed requests must be ``abandon``-ed by the caller."""
+        self.cache = make_cache_from_config(self._cfg)
+
+    # ---- page arithmetic ---------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens."""
+        return ceil_div(num_tokens, self.page_size)
+
+    def page_floor(self, n: int) -> int:
+        """``n`` rounded down to a page boundary."""
+        return n // self.page_size * self.page_size
+
+    def next_page_boundary(self, n: int) -> int:
+        """The first page boundary after ``n``."""
+        return (n // self.page_size + 1) * self.page_size
+
+    def is_page_boundary(self, n: int) -> bool:
+        return n % self.page_size == 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV pool holds (one request can never use more)."""
+        return self.cache.pages.num_ids * self.page_size
+
+    # ---- lookups -----------------------------------------------------------------------------
+    def match(self, tokens: np.ndarray, extra_key: str | None) -> MatchResult:
+        """The longest cached prefix of ``tokens`` with a state (no mutation but recency)."""
+        return self.cache.match_prefix(tokens, extra_key=extra_key)
+
+    @staticmethod
+    def empty_match(m: MatchResult) -> MatchResult:
+        """``m`` without its hit: nothing cached, the root of ``m.node``'s tree as the node."""
+        root = m.node
+        while root.parent is not None:
+            root = root.parent
+        return MatchResult(0, m.page_ids[:0], None, root, 0)
+
+    def tree_slots(self) -> set[int]:
+        """Every state slot a tree node holds (none for the disabled cache)."""
+        out, todo = set(), list(getattr(self.cache, "roots", {}).values())
+        while todo:
+            node = todo.pop()
+            if node.slot is not None:
+                out.add(node.slot)
+            todo.extend(node.children.values())
+        return out
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_step(self, scheduled: Sequence[ScheduledSeq]) -> None:
+        """Raise if a scheduled step breaks a step invariant (``step_checks.check_step``)."""
+        check_step(self.cache, scheduled, self.page_size)
+
+    def check(self, running: Iterable[Request], waiting: Iterable[Request]) -> None:
+        """Raise ``AssertionError`` unless the cache is intact and the allocators' held ids are
+        exactly those of the running requests' leases (module docstring)."""
+        self.cache.check_integrity()
+        held_slots: list[int] = []
+        held_pages: list[int] = []
+        for req in running:
+            lease = req.lease
+            if req.status is not Status.RUNNING or not lease.held:
+                raise AssertionError(f"request {req.request_id} in the running list is "
+                                     f"{req.status}")
+            held_slots.append(lease.running_slot)
+            held_slots.extend(lease.pending_snapshots.values())
+            held_pages.extend(lease.own_page_ids.tolist())
+            if len(lease.page_ids) * self.page_size < lease.num_computed:
+                raise AssertionError(f"request {req.request_id}: {len(lease.page_ids)} pages "
+                                     f"cannot hold {lease.num_computed} computed tokens")
+        for req in waiting:
+            if req.status is not Status.WAITING or req.lease.held or len(req.lease.own_page_ids):
+                raise AssertionError(f"waiting request {req.request_id} holds resources")
+        cache = self.cache
+        for name, held, alloc in (("slot", held_slots, cache.slots),
+                                  ("page", held_pages, cache.pages)):
+            mine = np.sort(np.asarray(held, np.int64))
+            listed = np.sort(np.asarray(alloc.held_ids(), np.int64))
+            if mine.size != np.unique(mine).size:
+                raise AssertionError(f"a state {name} is held by two requests: {mine.tolist()}")
+            if not np.array_equal(mine, listed):
+                leaked = np.setdiff1d(listed, mine).tolist()
+                missing = np.setdiff1d(mine, listed).tolist()
+                raise AssertionError(f"{name}s held per allocator but by no request: {leaked}; "
+                                     f"held by requests but not per allocator: {missing}")
+
+    def describe(self) -> str:
+        """The pools' occupancy, for the no-progress error."""
+        c = self.cache
+        return (f"pages available {c.available_pages()} of {c.pages.num_ids} "
+                f"(locked {c.locked_pages()}); slots available {c.available_slots()} of "
+                f"{c.slots.num_ids} (locked {c.locked_slots()})")

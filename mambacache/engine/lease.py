@@ -1,0 +1,346 @@
+"""``Lease``: one request's cache state, and the only code that changes it.
+
+A lease holds what a request has of the cache while it runs: the matched node (locked), the
+slot its first step reads (``read_slot``), its running slot, the slot holding its newest state
+(``state_slot``, valid once a step ran: ``state_valid``), the tree's pages it reuses
+(``cached_page_ids``) and the pages it allocated (``own_page_ids``), the snapshots planned for it
+(``pending_snapshots``: position -> slot) and those a dispatched step writes
+(``snapshots_in_flight``), its speculative scratch lane (``scratch_slots``), how many tokens went
+through the model (``num_computed``) and whether its prefill is done (``prefilled``).
+
+Only this module and ``cache_manager.py`` write these fields (``tests/test_lease_ownership.py``
+fails on a write anywhere else in ``mambacache/``). Every transition is a method; its docstring
+says what it mutates in the lease and in the cache, and what must be locked.
+
+Invariants (``CacheManager.check``):
+  * an empty lease (waiting, finished) holds nothing: no node, no slot, no page;
+  * a held lease owns exactly one running slot and ``own_page_ids``; ``page_ids =
+    cached_page_ids + own_page_ids`` cover ``num_computed`` tokens; its node stays locked, so
+    ``cached_page_ids`` and ``read_slot`` (the node's state) cannot be evicted under it;
+  * ``pending_snapshots`` slots belong to the cache from the moment they are planned: the tree
+    adopts them on insert (or they are freed); none is the running or the state slot;
+  * ``state_slot`` is the running slot, a page-boundary decode snapshot, or a scratch slot of
+    the lane (outside the cache's ids).
+
+Host only, no JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from mambacache.cache.node import MatchResult, as_tokens
+from mambacache.cache.snapshot_plan import assign_snapshot_slots, plan_snapshots
+
+if TYPE_CHECKING:
+    from mambacache.engine.cache_manager import CacheManager
+
+#: the empty page list a lease starts with (shared, read only: page arrays are reassigned,
+#: never written in place)
+NO_PAGES = np.zeros(0, np.int32)
+NO_PAGES.flags.writeable = False
+
+#: the lease's own fields: no module but ``lease.py`` and ``cache_manager.py`` writes them
+LEASE_FIELDS = ("node", "read_slot", "running_slot", "state_slot", "state_valid", "prefilled",
+                "num_computed", "cached_page_ids", "own_page_ids", "pending_snapshots",
+                "snapshots_in_flight", "scratch_slots")
+
+
+class TokenSource(Protocol):
+    """What a lease needs of its request to insert into the tree (``Request`` is one)."""
+
+    request_id: int
+    extra_key: str | None
+
+    def token_slice(self, start: int, end: int) -> np.ndarray: ...
+
+
+class Lease:
+    """One request's cache state (module docstring). Created empty by ``CacheManager.lease``."""
+
+    __slots__ = ("_mgr", "_page_ids_memo", *LEASE_FIELDS)
+
+    def __init__(self, manager: CacheManager):
+        self._mgr = manager
+        self._clear()
+
+    def _clear(self) -> None:
+        self.node: Any = None  # mambacache.cache.node.Node (or the disabled cache's root)
+        self.read_slot: int | None = None  # the cached state (None: zero state); first step only
+        self.running_slot: int | None = None
+        self.state_slot: int | None = None  # running slot, boundary snapshot or scratch slot
+        self.state_valid = False  # state_slot holds the state after num_computed tokens
+        self.prefilled = False  # the chunk reaching the last token ran: decode from here on
+        self.num_computed = 0  # tokens fed through the model (cached ones included)
+        self.cached_page_ids: np.ndarray = NO_PAGES
+        self.own_page_ids: np.ndarray = NO_PAGES  # int32, pages this request allocated
+        self.pending_snapshots: dict[int, int] = {}
+        self.snapshots_in_flight: set[int] = set()  # positions a dispatched step writes
+        self.scratch_slots: tuple[int, ...] = ()  # speculative lane, outside the cache's slots
+        # (cached, own, their concatenation) of the last ``page_ids``: page arrays are never
+        # written in place, only reassigned, so identity says it is current
+        self._page_ids_memo: tuple | None = None
+
+    # ---- reads -----------------------------------------------------------------------------
+    @property
+    def held(self) -> bool:
+        """The lease holds a running slot (its request was admitted and not released)."""
+        return self.running_slot is not None
+
+    @property
+    def page_ids(self) -> np.ndarray:
+        """``cached_page_ids + own_page_ids`` (int32; read only: it may be either part itself or
+        the concatenation kept from the last call while neither part was reassigned)."""
+        cached, own = self.cached_page_ids, self.own_page_ids
+        if not len(cached):
+            return own
+        if not len(own):
+            return cached
+        memo = self._page_ids_memo
+        if memo is not None and memo[0] is cached and memo[1] is own:
+            return memo[2]
+        joined = np.concatenate([cached, own])
+        self._page_ids_memo = (cached, own, joined)
+        return joined
+
+    @property
+    def next_read_slot(self) -> int:
+        """The slot the next step reads: the newest state, the cached one, or 0 (zero state)."""
+        return self.state_slot if self.state_valid else (self.read_slot or 0)
+
+    def own_slots(self) -> set[int]:
+        """Slots this lease may write: running, planned snapshots, scratch lane."""
+        return {self.running_slot, *self.pending_snapshots.values(), *self.scratch_slots} - {None}
+
+    def plans(self, pos: int) -> bool:
+        """A snapshot is planned at ``pos``."""
+        return pos in self.pending_snapshots
+
+    def _written(self) -> dict[int, int]:
+        """Planned snapshots a dispatched step has written (position -> slot)."""
+        n, flying = self.num_computed, self.snapshots_in_flight
+        return {p: s for p, s in self.pending_snapshots.items() if p in flying and p <= n}
+
+    def keeps_end_snapshot(self, keep: bool) -> bool:
+        """Whether ``release(keep=keep)`` hands the running slot to the tree as the end state
+        (the state is valid, page aligned and not already a written snapshot). No mutation."""
+        n = self.num_computed
+        return keep and self.state_valid and self._mgr.is_page_boundary(n) \
+            and n not in self._written()
+
+    # ---- admission ---------------------------------------------------------------------------
+    def admit(self, m: MatchResult, num_tokens: int) -> bool:
+        """Start from match ``m`` for ``num_tokens`` tokens: lock ``m.node`` (first, so what it
+        pins no longer counts as evictable), check the uncached tokens' pages are available
+        and take a running slot. False (nothing held, the lock undone) if the pools are short.
+        Mutates the whole lease (from empty) and the cache's locks and slot allocator."""
+        cache, mgr = self._mgr.cache, self._mgr
+        need_pages = mgr.pages_for(num_tokens) - len(m.page_ids)
+        cache.lock(m.node)
+        slots = cache.alloc_slots(1) if cache.available_pages() >= need_pages else None
+        if slots is None:
+            cache.unlock(m.node)
+            return False
+        self._clear()
+        self.node, self.read_slot, self.running_slot = m.node, m.read_slot, int(slots[0])
+        self.cached_page_ids = as_tokens(m.page_ids)  # int32 already: no copy
+        self.num_computed = m.cached_len
+        return True
+
+    def plan_prefill(self, num_tokens: int, cached_len: int, branch_len: int,
+                     shared: Callable[[], set[int]]) -> None:
+        """[cache on] Plan the prefill's snapshot positions (``plan_snapshots`` plus the
+        positions ``shared()`` names: in-batch dedup) and give them slots (as many as the pool
+        has). Mutates ``pending_snapshots`` and the slot allocator."""
+        mgr = self._mgr
+        if not mgr.enable:
+            return
+        ps = mgr.page_size
+        positions = plan_snapshots(num_tokens, cached_len, branch_len, ps,
+                                   mgr.checkpoint_interval)
+        extra = shared()
+        positions = sorted(set(positions) | extra) if extra else positions
+        self.pending_snapshots = assign_snapshot_slots(mgr.cache, positions, branch_len,
+                                                       num_tokens, ps)
+
+    def plan_snapshot(self, pos: int) -> bool:
+        """Plan a snapshot at ``pos`` (a slot from the pool; False if it has none). Mutates
+        ``pending_snapshots`` and the slot allocator."""
+        got = self._mgr.cache.alloc_slots(1)
+        if got is None:
+            return False
+        self.pending_snapshots[pos] = int(got[0])
+        return True
+
+    # ---- growth and rows ---------------------------------------------------------------------
+    def grow(self, end: int) -> bool:
+        """Make the pages cover ``end`` tokens; False if the pool cannot (nothing taken).
+        Mutates ``own_page_ids`` and the page allocator (may evict unlocked tree pages)."""
+        need = self._mgr.pages_for(end) - len(self.cached_page_ids) - len(self.own_page_ids)
+        if need <= 0:
+            return True
+        pages = self._mgr.cache.alloc_pages(need)
+        if pages is None:
+            return False
+        own = self.own_page_ids
+        self.own_page_ids = np.concatenate([own, pages]) if len(own) else pages
+        return True
+
+    def room(self, start: int) -> int:
+        """Tokens past ``start`` the pages already cover."""
+        return len(self.page_ids) * self._mgr.page_size - start
+
+    def row_snapshots(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The planned snapshots a row over ``(start, end]`` writes, sorted (position, slot);
+        marks them in flight. Mutates ``snapshots_in_flight``."""
+        planned = [(pos, slot) for pos, slot in sorted(self.pending_snapshots.items())
+                   if start < pos <= end]
+        if planned:
+            self.snapshots_in_flight.update(pos for pos, _ in planned)
+        return planned
+
+    def plan_decode_snapshot(self, end: int) -> int | None:
+        """[cache on, page > 1] A decode ending on a page boundary writes its state to a fresh
+        slot (a snapshot without a copy): that slot, with the older pending ones given back (no
+        row of this step reads them), or None (not a boundary, or the pool is short: counted as
+        skipped). Mutates ``pending_snapshots``, ``snapshots_in_flight``, the slot allocator."""
+        mgr = self._mgr
+        if not mgr.boundary_snapshots or not mgr.is_page_boundary(end):
+            return None
+        got = mgr.cache.alloc_slots(1)
+        if got is None:
+            mgr.cache.record_skipped()
+            return None
+        stale = [slot for pos, slot in self.pending_snapshots.items() if pos < end]
+        if stale:
+            mgr.cache.free_slots(stale)
+        slot = int(got[0])
+        self.pending_snapshots = {end: slot}
+        self.snapshots_in_flight = set()
+        return slot
+
+    def plan_window_snapshots(self, first: int, end: int) -> None:
+        """[speculative, cache on, page > 1] Plan a snapshot at every page boundary in
+        ``[first, end)`` (a verify window; a short pool skips and counts). Mutates
+        ``pending_snapshots`` and the slot allocator."""
+        mgr = self._mgr
+        if not mgr.boundary_snapshots:
+            return
+        for pos in range(first, end):
+            if mgr.is_page_boundary(pos) and not self.plan_snapshot(pos):
+                mgr.cache.record_skipped()
+
+    def take_lane(self, slots: tuple[int, ...]) -> None:
+        """[speculative] Hold the scratch lane ``slots`` (none held yet). Mutates
+        ``scratch_slots``."""
+        if self.scratch_slots:
+            raise AssertionError(f"lease holds lane {self.scratch_slots}, offered {slots}")
+        self.scratch_slots = slots
+
+    def drop_lane(self) -> tuple[int, ...]:
+        """[speculative] Give the scratch lane back; the slots it held. Mutates
+        ``scratch_slots``."""
+        lane, self.scratch_slots = self.scratch_slots, ()
+        return lane
+
+    # ---- after a step ------------------------------------------------------------------------
+    def written(self, end: int, state_slot: int, *, prefill_done: bool) -> bool:
+        """A dispatched step left the state after ``end`` tokens in ``state_slot``; with
+        ``prefill_done`` its row reached the last token. True if the prefill's planned
+        snapshots should be published (before the next admission). Mutates ``num_computed``,
+        ``state_valid``, ``state_slot``, ``prefilled``."""
+        self.num_computed, self.state_valid, self.state_slot = end, True, state_slot
+        if self.prefilled:
+            return False
+        self.prefilled = prefill_done
+        return bool(self.pending_snapshots)
+
+    def settle_window(self, start: int, end: int, n: int) -> None:
+        """[speculative] A verify window ``(start, end]`` accepted up to ``n`` tokens: free its
+        snapshots past ``n`` (draft states); if one was accepted it is the newest page-aligned
+        state and older pending ones go. Mutates ``pending_snapshots``, ``snapshots_in_flight``
+        and the slot allocator."""
+        pending = self.pending_snapshots
+        window = [pos for pos in pending if start < pos <= end]
+        kept = [pos for pos in window if pos <= n]
+        drop = [pos for pos in window if pos > n]
+        if kept:
+            drop += [pos for pos in pending if pos < max(kept)]
+        if drop:
+            self._mgr.cache.free_slots(np.asarray([pending.pop(p) for p in drop], np.int32))
+            self.snapshots_in_flight.difference_update(drop)
+
+    def _take_written(self, *, drop_rest: bool) -> dict[int, int]:
+        """Written snapshots, removed from ``pending_snapshots``; ``drop_rest`` frees the others."""
+        done = self._written()
+        rest = {p: s for p, s in self.pending_snapshots.items() if p not in done}
+        if drop_rest and rest:
+            self._mgr.cache.free_slots(list(rest.values()))  # a list: no numpy for a few ids
+            rest = {}
+        self.pending_snapshots = rest
+        self.snapshots_in_flight -= done.keys()
+        return done
+
+    def publish(self, src: TokenSource, *, final: bool) -> None:
+        """Insert the prefix up to the deepest written snapshot, mid-flight (``final``: the
+        prefill is done, so unwritten planned snapshots are freed).
+
+        The tree keeps KV only up to its deepest state, so exactly that prefix is inserted; the
+        lease switches to the tree's pages for it (its own duplicates were freed) and moves its
+        lock to the new node. The slots offered are snapshot slots only, never one the request
+        reads, so a slot the tree rejects (and frees) is referenced by no one. Mutates
+        ``pending_snapshots``, ``snapshots_in_flight``, ``node``, both page lists, the tree.
+        """
+        snaps = self._take_written(drop_rest=final)
+        if not snaps:
+            return
+        if self.state_slot in snaps.values() or self.running_slot in snaps.values():
+            raise AssertionError(f"request {src.request_id} offers its running state to the tree")
+        n = max(snaps)
+        cache, ps = self._mgr.cache, self._mgr.page_size
+        num_pages = n // ps
+        pages = self.page_ids
+        res = cache.insert(src.token_slice(0, n), pages[:num_pages], snapshots=snaps,
+                           extra_key=src.extra_key)
+        if res.kept_len // ps != num_pages:
+            raise AssertionError(f"insert kept {res.kept_len} of {n} tokens of a running request")
+        cache.lock(res.node)
+        cache.unlock(self.node)
+        self.node = res.node
+        self.cached_page_ids = np.asarray(res.page_ids, np.int32)
+        self.own_page_ids = pages[num_pages:]
+
+    def release(self, src: TokenSource, *, keep: bool) -> None:
+        """Give back everything; ``keep``: insert the computed tokens and written states first
+        (the running slot as the end state when ``keeps_end_snapshot``). The scratch lane must
+        be dropped already (``drop_lane``). Unlocks the node; the lease is empty afterwards."""
+        if self.scratch_slots:
+            raise AssertionError(f"request {src.request_id} released with its lane held")
+        end_snapshot = self.keeps_end_snapshot(keep)
+        snaps = self._take_written(drop_rest=True)
+        cache, n = self._mgr.cache, self.num_computed
+        slot = self.running_slot
+        if end_snapshot:
+            snaps[n] = slot
+        elif slot is not None:
+            cache.free_slots([slot])
+        pages = self.page_ids
+        num_cached = len(self.cached_page_ids)
+        used = max(self._mgr.pages_for(n), num_cached) if keep else num_cached
+        if len(pages) > used:  # pages taken for tokens that were never computed
+            cache.free_pages(pages[used:])
+        if keep:
+            cache.insert(src.token_slice(0, n), pages[:used], snapshots=snaps,
+                         extra_key=src.extra_key)
+        elif snaps:
+            cache.free_slots(list(snaps.values()))
+        cache.unlock(self.node)
+        self._clear()
+
+    def abandon(self) -> None:
+        """The pools and the cache are gone (a failed step consumed them): forget every id
+        without giving any back. Mutates the whole lease (to empty)."""
+        self._clear()

@@ -1,0 +1,282 @@
+"""The step loop: schedule, dispatch, read, at overlap depth 0 (synchronous) or 1 (overlapped).
+
+One ``Engine.step`` call:
+  1. schedule step N (the scheduler; ends released while scheduling get their speculative
+     scratch states copied first);
+  2. dispatch it to the ``Runner`` and record its progress (``Scheduler.advance``: device order
+     puts every later step after it, so its states and pages may be published and read from
+     now on); a verify row's progress waits for its tokens;
+  3. read a step's sampled tokens: at depth 0 step N's own; at depth 1 step N-1's, so the device
+     never waits for the host between steps (``scheduler.overlap``). Append them, check stop
+     conditions, finish requests;
+  4. [depth 1] mark N's sampling rows pending (``Request.num_pending``): the next step's decode
+     row of such a request feeds its last token from the device (``SeqSpec.prev_index``), a
+     request whose pending token is its last by length gets no row, one with a token in flight
+     is never admitted. A request that stopped at N-1 has a row in N computing past the stop
+     token: it was released with everything up to the stop inserted, and its N token is
+     dropped when read (it is FINISHED by then). Once nothing is unfinished, a step still in
+     flight holds only dropped rows: it is read then, so an idle engine has nothing in flight.
+
+Failures: a dispatch that raises fails its own requests (``fail_step``); at depth 1 step N-1 is
+still read for the others. If the runner says the donated pools are gone, or a read raises,
+every request running or with a token in flight fails and the pools and the cache restart empty
+(no state can outlive its pools; the device state behind the steps in flight is unknown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+from absl import logging
+
+from mambacache.engine.request import Request, RequestOutput, Status
+from mambacache.engine.step_plan import ScheduledSeq, first_logit_row
+
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
+
+
+class Runner(Protocol):
+    """What the loop needs of a runner (``ModelRunner`` on the device, ``ShadowRunner``)."""
+
+    model_cfg: Any  # the model's config (ModelConfig, or ShadowModelConfig): vocab, context
+    last_drafts: Any  # [mtp] int32 [rows, k] drafts the last step made on the device, or None
+
+    @property
+    def programs_compiled(self) -> int: ...
+
+    def programs_per_width(self) -> dict[int, int]: ...
+
+    def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[Any, Any]:
+        """Dispatch one step; its sampled tokens and logprobs (one per logits row), read with
+        ``np.asarray`` (which waits for the device and raises if the step failed)."""
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    def pools_lost(self) -> bool: ...
+
+    def reset_pools(self) -> None: ...
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose sampled tokens have not been read."""
+
+    scheduled: list[ScheduledSeq]
+    rows: list[tuple[int, int]]  # (index into scheduled, first logits row) of sampling rows
+    tokens: Any  # [L] int32, on the device until read
+    logprobs: Any  # [L] float32
+
+
+class StepLoop:
+    """The engine's one step loop (module docstring); ``depth`` 0 or 1."""
+
+    def __init__(self, engine: Engine, depth: int):
+        if depth not in (0, 1):
+            raise ValueError(f"overlap depth must be 0 or 1, got {depth}")
+        self.engine = engine
+        self.depth = depth
+        self.in_flight: InFlight | None = None  # [depth 1] dispatched, tokens not read yet
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and account one step; the requests whose last token was read."""
+        e, t_start = self.engine, time.perf_counter()
+        check = e.cfg.scheduler.check_integrity_every_step
+        scheduled = e.scheduler.schedule()
+        self._flush_slot_copies()  # ends released while scheduling (preemption)
+        if not scheduled and self.in_flight is None:
+            return []
+        if scheduled and check:
+            e.scheduler.check_step(scheduled)
+        outs: list[RequestOutput] = []
+        launched = self._dispatch(scheduled, outs) if scheduled else None
+        if launched is None and scheduled and not self.depth:
+            return outs  # the synchronous step failed: nothing ran, nothing to read
+        if self.depth:
+            to_read, self.in_flight = self.in_flight, launched
+        else:
+            to_read = launched
+        wait_s = 0.0
+        if to_read is not None:
+            wait_s = self._read(to_read, outs)
+        if self.depth:
+            if launched is not None and self.in_flight is launched:
+                for i, row in launched.rows:
+                    req = launched.scheduled[i].req
+                    if req.status is Status.RUNNING:
+                        req.mark_pending(row)
+            if self.in_flight is not None and not e.has_unfinished():
+                self._drop()  # only dropped rows are left in flight
+        self._flush_slot_copies()  # ends released by finishes
+        now = time.perf_counter()
+        e.stats.on_step(e, scheduled, host_s=now - t_start - wait_s, wall_s=now - t_start,
+                        t_start=t_start)
+        if check:
+            e.check_integrity()
+        return outs
+
+    # ---- dispatch and read -------------------------------------------------------------------
+    def _dispatch(self, scheduled: list[ScheduledSeq],
+                  outs: list[RequestOutput]) -> InFlight | None:
+        """Run ``scheduled`` (asynchronously) and record its progress; None (its requests'
+        failures appended to ``outs``) if the dispatch raised."""
+        e, prev = self.engine, self.in_flight
+        ready = getattr(prev.tokens, "is_ready", None) if prev is not None else None
+        host_bound = ready() if ready is not None else None  # before the batch is built
+        t_run = time.perf_counter()
+        try:
+            tokens, logprobs = e.runner.run(scheduled)
+        except AssertionError:
+            raise  # a broken invariant (the shadow runner's data-flow check) is a bug: no retry
+        except Exception as err:  # noqa: BLE001 - a failed step fails its requests only
+            outs += self.fail_step(scheduled, err)
+            return None
+        # depth 0 counts the batch building as busy (the device waits for nothing else)
+        e.stats.on_flight(t_run if not self.depth else time.perf_counter(), +1,
+                          host_bound=host_bound)
+        first = first_logit_row(scheduled)
+        rows = [(i, first[i]) for i, s in enumerate(scheduled)
+                if s.drafts or s.samples]  # before any token is pending
+        for s in scheduled:
+            if not s.drafts:  # a verify row's progress depends on its tokens
+                self._advance(s)
+        return InFlight(scheduled, rows, tokens, logprobs)
+
+    def _read(self, fl: InFlight, outs: list[RequestOutput]) -> float:
+        """Wait for ``fl``'s tokens; append them to the requests still waiting for them (the
+        finished ones' outputs to ``outs``). The seconds spent waiting for the device."""
+        e, t_wait = self.engine, time.perf_counter()
+        try:
+            tokens, logprobs = np.asarray(fl.tokens), np.asarray(fl.logprobs)
+        except AssertionError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the device state behind the steps is unknown
+            e.stats.on_flight(time.perf_counter(), -1)
+            outs += self._fail_all(err)
+            return time.perf_counter() - t_wait
+        drafts = e.runner.last_drafts if not self.depth else None
+        if drafts is not None:  # [speculative mtp] keep the drafts for each row's next step
+            e.scheduler.speculative.drafter.observe(fl.scheduled, np.asarray(drafts))
+        now = time.perf_counter()
+        e.stats.on_flight(now, -1)
+        for i, row in fl.rows:
+            s = fl.scheduled[i]
+            req = s.req
+            if req.status is Status.FINISHED:
+                continue  # finished (stop, abort, error) while this row ran: its token is dropped
+            if s.drafts:
+                n = len(s.drafts) + 1
+                out = self._accept_verify(s, tokens[row:row + n], logprobs[row:row + n], now)
+            else:
+                if self.depth:
+                    e.scheduler.token_read(req)
+                out = self._append(req, int(tokens[row]), float(logprobs[row]), now)
+            if out is not None:
+                outs.append(out)
+        return now - t_wait
+
+    def _drop(self) -> None:
+        """Read the step in flight when no row of it has a reader left (the engine goes idle)."""
+        fl, self.in_flight = self.in_flight, None
+        if any(fl.scheduled[i].req.status is not Status.FINISHED for i, _ in fl.rows):
+            raise AssertionError("a step in flight samples for an unfinished request")
+        try:
+            np.asarray(fl.tokens)
+        except Exception as err:  # noqa: BLE001 - no request is left to fail; the pools may be
+            self._fail_all(err)
+        finally:
+            self.engine.stats.on_flight(time.perf_counter(), -1)
+
+    def _fail_all(self, err: Exception) -> list[RequestOutput]:
+        """A read raised: every request running or with a token in flight fails, and the step in
+        flight with them (the pools-lost path of ``fail_step``)."""
+        if self.in_flight is not None:
+            self.in_flight = None
+            self.engine.stats.on_flight(time.perf_counter(), -1)
+        return self.fail_step([], err, lost=True)
+
+    # ---- per row -----------------------------------------------------------------------------
+    def _advance(self, s: ScheduledSeq) -> None:
+        self.engine.scheduler.advance(s)
+        if s.end - s.start > 1 or s.start < s.req.prompt_len:
+            self.engine.stats.computed_prefill_tokens += s.end - s.start
+
+    def _accept_verify(self, s: ScheduledSeq, tokens: np.ndarray, logprobs: np.ndarray,
+                       now: float) -> RequestOutput | None:
+        """[speculative] Emit the verified prefix of a verify row plus the target's next token
+        (``engine/speculative.py``); the request's state becomes the one after them."""
+        req, n_out = s.req, len(s.req.output_ids)
+        emitted = self.engine.scheduler.accept_verify(
+            s, tokens, lambda j: self.finish_reason(req, int(tokens[j]), n_out + j + 1) is not None)
+        out = None
+        for j in range(emitted):
+            out = self._append(req, int(tokens[j]), float(logprobs[j]), now)
+        return out
+
+    def _append(self, req: Request, token: int, logprob: float,
+                now: float) -> RequestOutput | None:
+        """Record a sampled token; finish the request if it is done."""
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.token_times_s.append(now)
+        if req.first_token_s is None:
+            req.first_token_s = now
+        reason = self.finish_reason(req, token, len(req.output_ids))
+        if reason is None:
+            return None
+        e = self.engine
+        e.scheduler.finish(req, reason)
+        e.stats.on_finish(req)
+        e.requests.pop(req.request_id, None)
+        return req.to_output()
+
+    def finish_reason(self, req: Request, token: int, num_out: int) -> str | None:
+        """Why ``req`` ends with ``token`` as its ``num_out``-th output token (None: it goes on)."""
+        p = req.params
+        eos = getattr(self.engine.model_cfg, "eos_token_id", None)  # absent from ModelConfig
+        if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
+            return "stop"
+        if num_out >= p.max_new_tokens:
+            return "length"
+        return None
+
+    def _flush_slot_copies(self) -> None:
+        """[speculative] Copy scratch end states into the running slots the tree adopted, before
+        any later step can read them (the pools' data dependency orders it)."""
+        spec = self.engine.scheduler.speculative
+        if spec is not None and spec.slot_copies:
+            self.engine.runner.copy_slots(spec.take_copies())
+
+    # ---- failures ----------------------------------------------------------------------------
+    def fail_step(self, scheduled: Sequence[ScheduledSeq], err: Exception, *,
+                  lost: bool | None = None) -> list[RequestOutput]:
+        """A step raised: fail its requests; if the donated pools are gone (``lost``: the runner
+        says), everything running or with a token in flight fails and the pools and the cache
+        start empty (no state can outlive its pools)."""
+        e = self.engine
+        sched = e.scheduler
+        victims = [s.req for s in scheduled]
+        lost = e.runner.pools_lost() if lost is None else lost
+        if lost:
+            victims += [r for r in sched.running if r not in victims]
+            victims += [r for r in sched.waiting if r.num_pending]  # [overlap]
+        logging.warning("step failed (%s: %s): %d requests fail%s", type(err).__name__, err,
+                        len(victims), ", pools lost: the cache starts empty" if lost else "")
+        for req in victims:
+            req.error = f"{type(err).__name__}: {err}"
+        if lost:
+            sched.drop_all(victims)
+            e.runner.reset_pools()
+        else:
+            for req in victims:
+                sched.finish(req, "error", keep=False)
+        outs = []
+        for req in victims:
+            e.requests.pop(req.request_id, None)
+            outs.append(req.to_output())
+        e.stats.failed_steps += 1
+        return outs

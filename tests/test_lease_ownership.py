@@ -1,0 +1,118 @@
+"""Ownership rules of the engine's host path, checked on the source (AST), each with a planted
+violation showing the check fails:
+  * only ``engine/lease.py`` and ``engine/cache_manager.py`` write a lease field (assignment,
+    augmented assignment, item assignment, ``del`` or a mutating method call on the field);
+  * no module reads or writes another object's private attribute (``engine._x``,
+    ``sched._x``): only ``self._x`` / ``cls._x``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+from mambacache.engine.lease import LEASE_FIELDS
+
+ROOT = Path(__file__).resolve().parents[1]
+LEASE_WRITERS = {"mambacache/engine/lease.py", "mambacache/engine/cache_manager.py"}
+#: the tree's integrity check rebuilds every count from the allocators' and the tree's own
+#: internals: an auditor reading private state on purpose (``cache/integrity.py`` docstring)
+PRIVATE_READERS = {"mambacache/cache/integrity.py"}
+MUTATORS = {"add", "append", "clear", "difference_update", "discard", "extend", "insert",
+            "intersection_update", "pop", "popitem", "remove", "setdefault", "sort",
+            "symmetric_difference_update", "update"}
+
+
+@functools.cache
+def _parsed() -> dict[str, ast.Module]:
+    return {p.relative_to(ROOT).as_posix(): ast.parse(p.read_text())
+            for p in sorted((ROOT / "mambacache").rglob("*.py"))}
+
+
+def _sources(planted_in: str | None = None, code: str = "") -> dict[str, ast.Module]:
+    """Every module of ``mambacache/`` parsed; ``code`` appended to ``planted_in``."""
+    out = dict(_parsed())
+    if planted_in is not None:
+        path = ROOT / planted_in
+        out[planted_in] = ast.parse(path.read_text() + code)
+    return out
+
+
+def _stored(node: ast.AST) -> list[ast.expr]:
+    """The expressions ``node`` stores into (tuple targets unpacked)."""
+    if isinstance(node, ast.Assign | ast.Delete):
+        targets = node.targets
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+        targets = [node.target]
+    else:
+        return []
+    out: list[ast.expr] = []
+    for t in targets:
+        out += list(t.elts) if isinstance(t, ast.Tuple | ast.List) else [t]
+    return out
+
+
+def lease_writes(sources: dict[str, ast.Module]) -> list[str]:
+    """``path:line expr`` of every write to a lease field outside the lease's own modules."""
+    found = []
+    for path, tree in sources.items():
+        if path in LEASE_WRITERS:
+            continue
+        for node in ast.walk(tree):
+            hits = [t.value if isinstance(t, ast.Subscript) else t for t in _stored(node)]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in MUTATORS:
+                hits.append(node.func.value)
+            found += [f"{path}:{node.lineno} {ast.unparse(h)}" for h in hits
+                      if isinstance(h, ast.Attribute) and h.attr in LEASE_FIELDS]
+    return found
+
+
+def private_accesses(sources: dict[str, ast.Module]) -> list[str]:
+    """``path:line expr`` of every ``obj._name`` whose ``obj`` is not ``self`` or ``cls``."""
+    found = []
+    for path, tree in sources.items():
+        if path in PRIVATE_READERS:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") \
+                    or node.attr.startswith("__"):
+                continue
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_lease_writes_lease_fields():
+    assert lease_writes(_sources()) == []
+
+
+def test_no_private_access_across_objects():
+    assert private_accesses(_sources()) == []
+
+
+@pytest.mark.parametrize("planted", [
+    "req.lease.state_slot = 3",
+    "lease.num_computed += 1",
+    "s.req.lease.pending_snapshots[8] = 5",
+    "other.lease.snapshots_in_flight.update([4])",
+    "lease.node, lease.read_slot = None, None",
+    "del req.lease.scratch_slots",
+])
+def test_planted_lease_write_is_found(planted):
+    path = "mambacache/engine/scheduler.py"
+    code = f"\n\ndef _planted(req, lease, s, other):\n    {planted}\n"
+    found = lease_writes(_sources(path, code))
+    assert found and all(f.startswith(path) for f in found), found
+
+
+@pytest.mark.parametrize("planted", ["engine._advance(s)", "sched._grow(req, 8)",
+                                     "x = self.engine._ids"])
+def test_planted_private_access_is_found(planted):
+    path = "mambacache/engine/speculative.py"
+    found = private_accesses(_sources(path, f"\n\ndef _planted(self, engine, sched, s, req):"
+                                            f"\n    {planted}\n"))
+    assert len(found) == 1 and found[0].startswith(path), found
