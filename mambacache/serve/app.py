@@ -13,13 +13,16 @@ import secrets
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mambacache.engine.sampling_params import SamplingParams
+from mambacache.serve import sglang_api
+from mambacache.serve.auth import Auth
 from mambacache.serve.engine_loop import EngineLoop, Overloaded
 from mambacache.serve.generation import Generation
+from mambacache.serve.lenient import note_ignored
 from mambacache.serve.metrics import ServerMetrics
 from mambacache.serve.protocol import (
     SEED_LIMIT,
@@ -30,6 +33,7 @@ from mambacache.serve.protocol import (
     single_prompt,
 )
 from mambacache.serve.responses import ResponseShape, chat_logprobs, completion_logprobs, sse
+from mambacache.serve.tokenizer import encode_chat
 
 
 def http_names(text: str) -> str:
@@ -46,6 +50,7 @@ class Server:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = ServerMetrics()
+        self.auth = Auth(serve_cfg.api_key, serve_cfg.isolate_cache_by_key)
         self.loop = EngineLoop(engine, max_waiting=self.cfg.max_waiting, observer=self.metrics,
                                warmup=self.cfg.warmup)
 
@@ -80,21 +85,22 @@ class Server:
         messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
                     for m in req.messages]
         try:
-            text = self.tokenizer.chat_template.render(messages)
+            return encode_chat(self.tokenizer, messages)
         except Exception as err:  # noqa: BLE001 - a template that refuses the messages
             raise ApiError(f"messages: {err}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def generate(self, http: Request, chat: bool) -> Response:
         req = parse_request(await http.body(), ChatRequest if chat else CompletionRequest)
+        ignored = note_ignored(req)  # unknown fields: logged once per name, listed in a header
         if req.model is not None and req.model != self.model_name:
             raise ApiError(f"model {req.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", status=404,
                            code="model_not_found")
         params = self.sampling(req, chat)
         prompt_ids = self.prompt_ids(req)
+        namespace = self.auth.cache_namespace(http.headers.get("authorization"), req.cache_salt)
         try:
-            stream = await self.loop.submit(prompt_ids, params)
+            stream = await self.loop.submit(prompt_ids, params, namespace)
         except Overloaded as err:
             self.metrics.rejected.labels("overloaded").inc()
             raise ApiError(f"{err}; retry after {self.cfg.retry_after_s} s", status=503,
@@ -112,8 +118,8 @@ class Server:
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         if req.stream:
             return StreamingResponse(self._events(gen, shape, chat, want_lp, req.include_usage()),
-                                     media_type="text/event-stream")
-        return JSONResponse(await self._collect(gen, shape, chat, want_lp))
+                                     media_type="text/event-stream", headers=ignored)
+        return JSONResponse(await self._collect(gen, shape, chat, want_lp), headers=ignored)
 
     def _logprobs(self, chat: bool, ids: list[int], lps: list[float], offset: int):
         if chat:
@@ -160,8 +166,13 @@ def create_app(engine: Any, tokenizer: Any, serve_cfg: Any, *, model_name: str) 
         yield
         server.loop.stop()
 
-    app = FastAPI(title="mambacache", lifespan=lifespan)
+    async def authorize(http: Request) -> None:
+        if http.url.path != "/health":  # a load balancer's probe needs no key
+            server.auth.authorize(http.headers.get("authorization"))
+
+    app = FastAPI(title="mambacache", lifespan=lifespan, dependencies=[Depends(authorize)])
     app.state.server = server
+    sglang_api.install(app, server)  # SGLang's /generate, /server_info, ...; HEAD on GETs
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI API as strict pydantic models, and their validation errors as
 OpenAI-shaped HTTP 400 bodies that name the field and the limit.
 
-Every field the server accepts is declared here (unknown fields are a 400), with the engine's
+Every field the server reads is declared here, with the engine's
 bounds (``engine/sampling_params.py``), so a request the protocol accepts always packs. Fields
 OpenAI has but the engine cannot honour are accepted only at their neutral value (``n`` = 1,
 ``echo`` = false, zero penalties, no top-k alternatives in logprobs), any other value is a 400.
+Unknown fields are kept aside (``extra="allow"``), never a 400: ``lenient.py`` logs them once
+per name and the response lists them in a header.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown names: lenient.py
 
 
 class StreamOptions(_Strict):
@@ -53,7 +55,8 @@ MaxTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)]
 
 class _Sampling(_Strict):
     """Fields shared by both endpoints (OpenAI's names; ``top_k``, ``ignore_eos``,
-    ``stop_token_ids``, ``return_token_ids`` are the usual server extensions)."""
+    ``stop_token_ids``, ``return_token_ids`` are the usual server extensions; ``cache_salt``,
+    vLLM's: requests match only cached prefixes sent with the same salt)."""
 
     model: str | None = None
     max_tokens: MaxTokens | None = None
@@ -71,6 +74,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     return_token_ids: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop", mode="before")
     @classmethod
