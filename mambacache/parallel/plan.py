@@ -101,13 +101,15 @@ def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) ->
     if weight_bytes >= topo.chip.hbm_bytes:  # no compile can change the verdict
         steps, source = _step_estimates(run_cfg, shapes, tp), "estimate (not compiled)"
     elif topo.compiled:
-        steps, source = _step_costs(run_cfg, cfg, topo, shapes, params, mesh, dtype), "compiler"
+        steps, source = _compiled_or_refused(run_cfg, cfg, topo, shapes, params, mesh, dtype)
     else:
         steps, source = _step_estimates(run_cfg, shapes, tp), "estimate"
     step_bytes = max(s["temp_bytes"] + s["code_bytes"] for s in steps.values())
     head = f"{cfg.model.path or cfg.model.preset} in {cfg.model.dtype} at TP {tp} on {topology}"
     budget, slots, tokens, reason = _pools(cfg, head, topo.chip.hbm_bytes, weight_bytes,
                                            step_bytes, slot_bytes, page_bytes, context)
+    if source.startswith("refused"):
+        reason = f"{head} does not fit: the compiler {source}"
     out = dict(
         model=cfg.model.path or cfg.model.preset, family=model_cfg.family, topology=topology,
         chip=topo.chip.name, devices=topo.num_devices, tensor_parallel=tp, dtype=cfg.model.dtype,
@@ -151,6 +153,24 @@ def _pools(cfg: EngineConfig, head: str, hbm: int, weights: int, step: int, slot
     except ValueError as e:
         return budget, 0, 0, f"{head}: {e}"
     return budget, pools.num_slots, pools.num_pages * cfg.cache.page_size, ""
+
+
+def _compiled_or_refused(model_cfg, cfg, topo, shapes, params, mesh, dtype
+                         ) -> tuple[dict[str, dict], str]:
+    """``(steps, "compiler")``, or the estimates and ``"refused: <its message>"`` when the
+    compiler rejects a program for its memory (weights + pools + temporaries over the HBM)."""
+    import jax
+
+    from mambacache.parallel.sizing import out_of_memory
+
+    try:
+        return _step_costs(model_cfg, cfg, topo, shapes, params, mesh, dtype), "compiler"
+    except jax.errors.JaxRuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        text = " ".join(str(e).split())
+        return (_step_estimates(model_cfg, shapes, cfg.parallel.tensor_parallel),
+                "refused: " + text[text.find("Ran out"):][:200])
 
 
 def _step_costs(model_cfg, cfg, topo, shapes, params, mesh, dtype) -> dict[str, dict]:
@@ -210,11 +230,10 @@ def format_table(p: dict[str, Any]) -> str:
     """The plan as a few aligned lines (per device; GB = 1e9 bytes)."""
     rows = [
         ("model", f"{p['model']} ({p['family']}), {p['dtype']}, TP {p['tensor_parallel']}"),
-        ("topology", f"{p['topology']}: {p['devices']} x {p['chip']}, "
-                     f"{'compiled (libtpu, no chip)' if p['compiled'] else 'arithmetic'}"),
+        ("topology", f"{p['topology']}: {p['devices']} x {p['chip']}"),
         ("HBM / device", f"{p['hbm_bytes'] / GB:.2f} GB"),
         ("weights", f"{p['weight_bytes'] / GB:.2f} GB"),
-        ("step (temp+code)", f"{p['step_bytes'] / GB:.3f} GB ({p['temp_source']})"),
+        ("step (temp+code)", f"{p['step_bytes'] / GB:.3f} GB (source: {p['temp_source']})"),
         ("cache budget", f"{p['cache_budget_bytes'] / GB:.2f} GB "
                          f"(memory_fraction {p['memory_fraction']})"),
         ("state slot", f"{p['state_slot_bytes'] / 1e6:.2f} MB"),

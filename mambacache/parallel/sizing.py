@@ -110,8 +110,18 @@ def laid_out_bytes(tree: Any, shardings: Any) -> int:
         return sharded_bytes(tree, shardings)
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
             for x, s in zip(leaves, sh, strict=True)]
-    compiled = jax.jit(lambda *a: None, keep_unused=True).lower(*args).compile()
+    try:
+        compiled = jax.jit(lambda *a: None, keep_unused=True).lower(*args).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        return sharded_bytes(tree, shardings)  # over the HBM already: the logical count says so
     return int(compiled.memory_analysis().argument_size_in_bytes)
+
+
+def out_of_memory(e: Exception) -> bool:
+    """The compiler refused a program for its memory (``RESOURCE_EXHAUSTED``)."""
+    return "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e)
 
 
 def unit_bytes(model_cfg: Any, mesh: Mesh, page_size: int, dtype: Any) -> tuple[int, int]:

@@ -36,11 +36,13 @@ class Chip:
         return self.bf16_flops_per_s if dtype == "bfloat16" else self.fp32_flops_per_s
 
 
+# TPU HBM: what libtpu's compiler says a program may use per device ("exceeds available HBM
+# (15.75G)" for an oversized program; v5e 16 GiB, v6e 32 GiB chips, v4 per TensorCore).
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("v5e", 16 * GIB, 819e9, 197e12, 197e12 / 3, "tpu"),
-    "v6e": Chip("v6e", 32 * GIB, 1640e9, 918e12, 918e12 / 3, "tpu"),
-    "v5p": Chip("v5p", 95 * GIB, 2765e9, 459e12, 459e12 / 3, "tpu"),
-    "v4": Chip("v4", 32 * GIB, 1228e9, 275e12, 275e12 / 3, "tpu"),
+    "v5e": Chip("v5e", int(15.75 * GIB), 819e9, 197e12, 197e12 / 3, "tpu"),
+    "v6e": Chip("v6e", int(31.25 * GIB), 1640e9, 918e12, 918e12 / 3, "tpu"),
+    "v5p": Chip("v5p", int(95.74 * GIB), 2765e9, 459e12, 459e12 / 3, "tpu"),
+    "v4": Chip("v4", int(15.25 * GIB), 1228e9, 275e12 / 2, 275e12 / 6, "tpu"),
     "h200": Chip("h200", 141 * 10**9, 4.8e12, 989e12, 494e12, None),
     "h100": Chip("h100", 80 * 10**9, 3.35e12, 989e12, 494e12, None),
 }
