@@ -137,3 +137,29 @@ def test_config_budget_builds_a_shared_cache():
     cache = make_cache_from_config(cfg)
     assert cache.budget == ByteBudget(200, PAGE_B, SLOT_B)
     assert make_cache_from_config(CacheConfig()).budget is None
+
+
+def test_engine_sized_from_memory_bytes_stays_exact_and_within_budget():
+    import mambacache as mc
+    from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+
+    # tiny model, fp32: a state 16,896 bytes, a token of KV 256; 32 slots explicit, the KV
+    # derived from the rest: 4096 tokens (the context), reserved page and slot apart
+    budget = {"cache.num_kv_tokens": 0, "cache.memory_bytes": 1_606_400}
+    engine = make_engine(**budget)
+    assert engine.cfg.cache.num_kv_tokens == 4096
+    pools = engine.runner.pools.nbytes()
+    assert pools["full"] + pools["mamba"] == 1_606_400  # reserved rows included
+    rng = np.random.default_rng(0)
+    head = rand_tokens(rng, 40)
+    prompts = [head + rand_tokens(rng, 5) for _ in range(4)]
+    params = mc.SamplingParams(max_new_tokens=4, temperature=0.0)
+    outs = engine.generate(prompts, params) + engine.generate(prompts, params)
+    off = make_engine(**budget, **{"cache.enable": False}).generate(prompts * 2, params)
+    assert_same_outputs(outs, off)
+    m = engine.metrics()
+    assert m["cached_tokens"] > 0 and m["memory_bytes"] == 1_606_400
+    assert 0 < m["peak_bytes_held"] <= 1_606_400
+    engine.check_integrity()
+    with pytest.raises(ValueError, match="cannot hold one request of the context"):
+        make_engine(**{**budget, "cache.memory_bytes": 1_000_000})

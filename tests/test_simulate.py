@@ -83,3 +83,23 @@ def test_host_modules_import_no_jax():
             "mambacache.cache.snapshot_plan, mambacache.cache.allocator, mambacache.cache.disabled;"
             " assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_budget_run_reports_bytes_and_shares_them(tmp_path):
+    """One byte budget (--set cache.memory_bytes, --state-bytes, --kv-bytes-per-token): pools
+    derived, bytes held within the budget at the peak, both kinds evicted from one budget."""
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, shared_prefix_trace(60, 4, 48, 8, output_len=3, vocab_size=100))
+    res = main(["--trace", str(trace), "--set", "cache.memory_bytes=20000", "--state-bytes",
+                "400", "--kv-bytes-per-token", "20", "--set", "cache.page_size=4",
+                "--concurrency", "3", "--check-integrity"])
+    assert res["state_bytes"] == 400 and res["kv_bytes_per_token"] == 20
+    assert res["num_kv_tokens"] == (20000 - 400) // 80 * 4 and res["num_mamba_slots"] == 49
+    assert 0 < res["peak_bytes_held"] <= 20000
+    assert res["peak_kv_bytes_held"] > 0 and res["peak_state_bytes_held"] > 0
+    assert res["kv_bytes_held"] + res["state_bytes_held"] <= 20000
+    assert res["snapshots_evicted"] > 0 and res["pages_evicted"] > 0
+    assert 0 < res["hit_rate"] < 1 and res["requests_dropped"] == 0
+    with pytest.raises(ValueError, match="cannot hold one request of the context"):
+        main(["--trace", str(trace), "--set", "cache.memory_bytes=1500", "--state-bytes",
+              "400", "--kv-bytes-per-token", "20"])

@@ -16,7 +16,11 @@ Result keys: ``prompt_tokens``, ``cached_tokens``, ``hit_rate``, ``us_per_reques
 time of a request: the engine's host time per step, scheduling and cache, without the shadow
 runner's checks, shared by the requests in the step), ``snapshots_kept``, ``snapshots_skipped``,
 ``snapshots_evicted``, ``peak_token_usage`` / ``peak_mamba_usage`` (peak fraction of the pool
-protected: held by requests or locked in the tree), and a few more.
+protected: held by requests or locked in the tree), and a few more. With a byte budget
+(``--set cache.memory_bytes=N``; sizes from ``model.preset``, a real-size one included, or
+``--state-bytes B --kv-bytes-per-token B``) KV and states share the bytes, and the result adds
+``state_bytes``, ``kv_bytes_per_token``, ``kv_bytes_held`` / ``state_bytes_held`` (final) and
+``peak_kv_bytes_held`` / ``peak_state_bytes_held`` / ``peak_bytes_held``.
 Trace helpers: ``shared_prefix_trace``, ``identical_prompt_trace``, ``write_trace``,
 ``load_trace``.
 """
@@ -103,6 +107,8 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     ecfg = _engine_config(cfg, concurrency, check_integrity)
+    if ecfg.cache.has_budget:  # one byte budget: pools from the preset's (or given) sizes
+        ecfg = budget_config(ecfg, requests)
     outputs: dict[int, list[int]] = {}
     vocab = 1 + max(max(r["prompt"] + list(r["output"]) + [0]) for r in requests) \
         if requests else 1
@@ -121,7 +127,7 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
     m = engine.metrics()
     stats = engine.cache.stats()
     per_request = np.asarray(list(host.values()))
-    return {
+    return {**_byte_keys(ecfg, stats),
         "num_requests": len(host),
         "requests_dropped": dropped,
         "prompt_tokens": m["prompt_tokens"],
@@ -141,6 +147,36 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
         "peak_token_usage": m["peak_token_usage"],
         "peak_mamba_usage": m["peak_mamba_usage"],
     }
+
+
+def budget_config(cfg: EngineConfig, requests: list[dict[str, list[int]]]) -> EngineConfig:
+    """``cfg`` with its pools derived from ``cache.memory_bytes`` (``engine/pools.size_pools``,
+    host pools: KV and states share the bytes). Byte sizes: ``cache.state_bytes`` /
+    ``cache.kv_bytes_per_token``, else ``model.preset``'s (a real-size preset allocates
+    nothing); the context a request must fit is the trace's longest request."""
+    from mambacache.engine.pools import size_pools
+
+    model_cfg = None
+    if not (cfg.cache.state_bytes and cfg.cache.kv_bytes_per_token):
+        from models.presets import get_preset
+
+        model_cfg = get_preset(cfg.model.preset)
+    longest = max((len(r["prompt"]) + len(r["output"]) for r in requests), default=1)
+    return size_pools(cfg, model_cfg, context_len=longest)[0]
+
+
+def _byte_keys(cfg: EngineConfig, stats: dict[str, Any]) -> dict[str, Any]:
+    """``state_bytes``, ``kv_bytes_per_token``, final and peak bytes held by states and KV
+    (budget runs; fixed pools report their sizes when the byte sizes are given)."""
+    cc = cfg.cache
+    out: dict[str, Any] = {"state_bytes": cc.state_bytes, "kv_bytes_per_token":
+                           cc.kv_bytes_per_token, "memory_bytes": cc.memory_bytes,
+                           "num_kv_tokens": cc.num_kv_tokens, "num_mamba_slots": cc.num_mamba_slots}
+    if "kv_bytes_held" in stats:
+        out.update({k: stats[k] for k in ("kv_bytes_held", "state_bytes_held",
+                                          "peak_kv_bytes_held", "peak_state_bytes_held",
+                                          "peak_bytes_held")})
+    return out
 
 
 def _drive(engine: Engine) -> dict[int, float]:
@@ -172,13 +208,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="write the result JSON here")
     ap.add_argument("--check-integrity", action="store_true",
                     help="check the step invariants and the engine's integrity every step")
+    ap.add_argument("--state-bytes", type=int, default=0,
+                    help="bytes of one state (replay another model's mapping; with a budget)")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=0,
+                    help="bytes of one token of KV (with --state-bytes)")
     ap.add_argument("-v", "--verbosity", type=int, default=-1,
                     help="absl log level: -1 warnings (default), 0 info, 1 preemptions")
     args = ap.parse_args(argv)
     absl_logging.set_verbosity(args.verbosity)
-    cfg = EngineConfig.load(args.config, overrides=parse_set_args(args.sets))
+    overrides = parse_set_args(args.sets)
+    if args.state_bytes:
+        overrides["cache.state_bytes"] = args.state_bytes
+    if args.kv_bytes_per_token:
+        overrides["cache.kv_bytes_per_token"] = args.kv_bytes_per_token
+    cfg = EngineConfig.load(args.config, overrides=overrides)
     result = simulate(load_trace(args.trace), cfg, args.concurrency, args.check_integrity)
-    result["config"] = dataclasses.asdict(cfg.cache)
+    result["config"] = {**dataclasses.asdict(cfg.cache), "num_kv_tokens": result["num_kv_tokens"],
+                        "num_mamba_slots": result["num_mamba_slots"]}
     result["scheduler"] = dataclasses.asdict(cfg.scheduler)
     text = json.dumps(result, indent=2)
     print(text)

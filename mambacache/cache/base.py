@@ -221,8 +221,11 @@ class CacheBase:
         return out
 
     def budget_stats(self) -> dict[str, int]:
-        """The byte budget: its limit, the unit sizes, bytes held now and at the peak."""
+        """The byte budget: its limit, the unit sizes, bytes held now and at the peak ({} without
+        a budget)."""
         b = self.budget
+        if b is None:
+            return {}
         return {"memory_bytes": b.limit_bytes, "state_bytes": b.slot_bytes,
                 "kv_bytes_per_page": b.page_bytes,
                 "kv_bytes_held": self.kv_bytes_held(), "state_bytes_held": self.state_bytes_held(),

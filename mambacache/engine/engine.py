@@ -47,9 +47,14 @@ class Engine:
         self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
         if runner is not None:
             self.model_cfg, self.runner = runner.model_cfg, runner
+            if cfg.cache.has_budget:  # [issue 25] a byte budget: derive the pools
+                from mambacache.engine.pools import size_pools
+
+                self.cfg = cfg = size_pools(cfg, self.model_cfg)[0]
         else:
             self.model_cfg, params = model if model is not None else load_model(cfg)
             self.runner = self._model_runner(params)
+            cfg = self.cfg  # [issue 25] pools sized from the byte budget in _model_runner
         self.manager = CacheManager(cfg.cache)
         self.scheduler = Scheduler(cfg, self.manager)
         self.requests: dict[int, Request] = {}
@@ -65,7 +70,7 @@ class Engine:
                      cfg.cache.num_mamba_slots, "on" if cfg.cache.enable else "off")
 
     def _model_runner(self, params: Any) -> Runner:
-        from mambacache.engine.pools import PoolState
+        from mambacache.engine.pools import PoolState, size_pools
         from mambacache.engine.runner import ModelRunner
 
         cfg = self.cfg
@@ -74,6 +79,16 @@ class Engine:
 
             validate_tensor_parallel(self.model_cfg, cfg.parallel.tensor_parallel)
             self.mesh = make_mesh(cfg.parallel.tensor_parallel)
+        # [issue 25] cache.memory_bytes / memory_fraction -> pool sizes (engine/pools.py)
+        device_budget = None
+        if cfg.cache.memory_fraction:
+            from mambacache.parallel.mesh import make_mesh
+            from mambacache.parallel.sizing import device_cache_budget
+
+            device_budget = device_cache_budget(cfg, self.model_cfg, params,
+                                                self.mesh or make_mesh(1))
+        self.cfg = cfg = size_pools(cfg, self.model_cfg, memory_bytes=device_budget,
+                                    physical=True)[0]
         mtp = cfg.speculative.method == "mtp"
         if mtp and "mtp" not in params:
             raise ValueError("speculative.method 'mtp' needs a model with an MTP head: "

@@ -96,7 +96,8 @@ class EngineMetrics:
             snapshots_skipped=stats.get("snapshots_skipped", 0),
             snapshots_evicted=stats.get("snapshots_evicted", 0),
             running_requests=len(engine.scheduler.running),
-            waiting_requests=len(engine.scheduler.waiting), **kv_bytes_per_token(engine))
+            waiting_requests=len(engine.scheduler.waiting), **kv_bytes_per_token(engine),
+            **engine.cache.budget_stats())  # [issue 25] the byte budget, bytes held, peaks
         return out
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 
 @jax.tree_util.register_dataclass
@@ -94,3 +95,68 @@ class PoolState:
         full = sum(a.nbytes for a in self.k_pages + self.v_pages)
         mamba = sum(a.nbytes for a in self.conv + self.ssm)
         return {"full": int(full), "mamba": int(mamba)}
+
+
+# ------------------------------------------------------------------------------- sizing
+def model_byte_sizes(cfg: Any, model_cfg: Any) -> tuple[int, int]:
+    """``(state_bytes, kv_bytes_per_token)`` for ``cfg`` (an ``EngineConfig``): the cache
+    section's overrides, else ``models.sizes`` of ``model_cfg`` in the model dtype (at least 1
+    byte each, so a model without linear or attention layers still has a unit)."""
+    state, kv = cfg.cache.state_bytes, cfg.cache.kv_bytes_per_token
+    if not (state and kv):
+        if not hasattr(model_cfg, "num_linear_layers"):
+            raise ValueError(
+                "a byte budget needs cache.state_bytes and cache.kv_bytes_per_token for a runner "
+                f"without a model ({type(model_cfg).__name__}), got {state} and {kv}")
+        from models.sizes import kv_bytes_per_token, state_bytes_per_slot
+
+        dtype = jnp.dtype(cfg.model.dtype)
+        state = state or state_bytes_per_slot(model_cfg, dtype)
+        if not kv:
+            kv = kv_bytes_per_token(model_cfg, dtype)
+            layers = model_cfg.num_full_layers
+            if cfg.speculative.method == "mtp" and layers:  # the MTP head's own KV layer
+                kv = kv * (layers + 1) // layers
+    return max(int(state), 1), max(int(kv), 1)
+
+
+def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
+               physical: bool = False, context_len: int | None = None) -> tuple[Any, Any]:
+    """``(cfg, plan)``: ``cfg`` with the cache section's pools derived from its byte budget
+    (``cache/budget.py``: ``plan_pools``) and the byte sizes filled in; unchanged without a
+    budget. ``memory_bytes``: the budget when the config gives a fraction (measured on the
+    device: ``parallel.sizing.device_cache_budget``). ``physical``: pools that are device
+    arrays (the model runner). They are not rebalanced between steps yet, so a shared budget
+    is split there at ``DEVICE_STATE_SHARE`` of the bytes for states (never beyond the budget);
+    the host-only runners (shadow, simulator) share it."""
+    from mambacache.cache.budget import DEVICE_STATE_SHARE, plan_pools
+
+    cc = cfg.cache
+    sized = cc.num_kv_tokens and cc.num_mamba_slots and cc.state_bytes and cc.kv_bytes_per_token
+    if not cc.has_budget or (sized and cc.memory_bytes and memory_bytes is None):
+        # no budget, or sized already (a config this function returned): the pools it names
+        page, state = cc.kv_bytes_per_token * cc.page_size or 1, cc.state_bytes or 1
+        return cfg, plan_pools(cc, page, state, context_len=1, max_running=1, memory_bytes=0)
+    limit = memory_bytes if memory_bytes is not None else cc.memory_bytes
+    if not limit:
+        raise ValueError(f"cache.memory_fraction ({cc.memory_fraction}) needs the device's "
+                         "measured memory (parallel.sizing.device_cache_budget); on CPU set "
+                         "cache.memory_bytes")
+    state, kv = model_byte_sizes(cfg, model_cfg)
+    ctx = context_len or getattr(model_cfg, "max_position_embeddings", 0) or 4096
+    usable = int(limit)
+    if physical:  # the reserved page 0 and slot 0, speculative scratch slots: device rows too
+        from mambacache.engine.speculative import num_state_slots
+
+        scratch = num_state_slots(cfg) - cc.num_mamba_slots
+        usable -= kv * cc.page_size + (1 + scratch) * state
+    plan = plan_pools(cc, kv * cc.page_size, state, context_len=ctx,
+                      max_running=cfg.scheduler.max_running_requests, memory_bytes=usable,
+                      state_share=DEVICE_STATE_SHARE if physical else 0.0)
+    logging.info("cache pools from the byte budget (%d bytes per device): %s", limit,
+                 plan.describe())
+    sized = cfg.replace(**{"cache.memory_bytes": int(limit), "cache.memory_fraction": 0.0,
+                           "cache.state_bytes": state, "cache.kv_bytes_per_token": kv,
+                           "cache.num_kv_tokens": plan.num_pages * cc.page_size,
+                           "cache.num_mamba_slots": plan.num_slots})
+    return sized, plan
