@@ -3,8 +3,9 @@
 It holds the cache (radix tree or the disabled cache, ``make_cache_from_config``) and the facts
 of its layout: the page size, whether caching is on, the checkpoint interval. No other engine
 module reads ``cache.page_size`` or ``cache.enable`` or does page arithmetic: they ask the
-manager (``pages_for``, ``page_floor``, ``is_page_boundary``, ``next_page_boundary``) or the
-request's ``Lease`` (``lease.py``), whose transitions are the only writers of cache state.
+manager (``pages_for``: the one ceiling division; ``page_floor``, ``is_page_boundary``,
+``next_page_boundary``) or the request's ``Lease`` (``lease.py``), whose transitions are the only
+writers of cache state.
 
 ``check`` is the engine-wide ownership check: the cache's own integrity, then every id the
 allocators list as held by a request is held by exactly one running request's lease, each held
@@ -29,11 +30,6 @@ from mambacache.engine.step_checks import check_step
 from mambacache.engine.step_plan import ScheduledSeq
 
 
-def ceil_div(n: int, d: int) -> int:
-    """``ceil(n / d)`` for non-negative ints (the one page-count formula)."""
-    return -(-n // d)
-
-
 class CacheManager:
     """The cache, its layout and the leases' factory (module docstring)."""
 
@@ -41,6 +37,8 @@ class CacheManager:
         self._cfg = cfg
         self.cache: CacheBase = make_cache_from_config(cfg)  # speculative states too
         self.page_size = cfg.page_size
+        # tokens the whole KV pool holds (one request can never use more)
+        self.kv_capacity_tokens = self.cache.pages.num_ids * cfg.page_size
         self.enable = cfg.enable
         self.checkpoint_interval = cfg.checkpoint_interval
         # a decode ending on a page boundary keeps its state as a snapshot
@@ -57,8 +55,8 @@ class CacheManager:
 
     # ---- page arithmetic ---------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
-        """Pages that hold ``num_tokens`` tokens."""
-        return ceil_div(num_tokens, self.page_size)
+        """Pages that hold ``num_tokens`` tokens (the one ceiling division of the engine)."""
+        return -(-num_tokens // self.page_size)
 
     def page_floor(self, n: int) -> int:
         """``n`` rounded down to a page boundary."""
@@ -70,11 +68,6 @@ class CacheManager:
 
     def is_page_boundary(self, n: int) -> bool:
         return n % self.page_size == 0
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Tokens the whole KV pool holds (one request can never use more)."""
-        return self.cache.pages.num_ids * self.page_size
 
     # ---- lookups -----------------------------------------------------------------------------
     def match(self, tokens: np.ndarray, extra_key: str | None) -> MatchResult:

@@ -121,6 +121,8 @@ class Lease:
 
     def _written(self) -> dict[int, int]:
         """Planned snapshots a dispatched step has written (position -> slot)."""
+        if not self.pending_snapshots:
+            return {}
         n, flying = self.num_computed, self.snapshots_in_flight
         return {p: s for p, s in self.pending_snapshots.items() if p in flying and p <= n}
 
@@ -139,12 +141,14 @@ class Lease:
         Mutates the whole lease (from empty) and the cache's locks and slot allocator."""
         cache, mgr = self._mgr.cache, self._mgr
         need_pages = mgr.pages_for(num_tokens) - len(m.page_ids)
+        if self.running_slot is not None:
+            raise AssertionError(f"lease admitted twice (running slot {self.running_slot})")
         cache.lock(m.node)
         slots = cache.alloc_slots(1) if cache.available_pages() >= need_pages else None
         if slots is None:
             cache.unlock(m.node)
             return False
-        self._clear()
+        # an admitted lease is empty (new, or cleared by ``release`` / ``abandon``)
         self.node, self.read_slot, self.running_slot = m.node, m.read_slot, int(slots[0])
         self.cached_page_ids = as_tokens(m.page_ids)  # int32 already: no copy
         self.num_computed = m.cached_len
@@ -275,6 +279,8 @@ class Lease:
 
     def _take_written(self, *, drop_rest: bool) -> dict[int, int]:
         """Written snapshots, removed from ``pending_snapshots``; ``drop_rest`` frees the others."""
+        if not self.pending_snapshots:
+            return {}
         done = self._written()
         rest = {p: s for p, s in self.pending_snapshots.items() if p not in done}
         if drop_rest and rest:
@@ -319,9 +325,10 @@ class Lease:
         be dropped already (``drop_lane``). Unlocks the node; the lease is empty afterwards."""
         if self.scratch_slots:
             raise AssertionError(f"request {src.request_id} released with its lane held")
-        end_snapshot = self.keeps_end_snapshot(keep)
         snaps = self._take_written(drop_rest=True)
-        cache, n = self._mgr.cache, self.num_computed
+        mgr, n = self._mgr, self.num_computed
+        cache = mgr.cache
+        end_snapshot = keep and self.state_valid and n % mgr.page_size == 0 and n not in snaps
         slot = self.running_slot
         if end_snapshot:
             snaps[n] = slot
@@ -329,7 +336,7 @@ class Lease:
             cache.free_slots([slot])
         pages = self.page_ids
         num_cached = len(self.cached_page_ids)
-        used = max(self._mgr.pages_for(n), num_cached) if keep else num_cached
+        used = max(mgr.pages_for(n), num_cached) if keep else num_cached
         if len(pages) > used:  # pages taken for tokens that were never computed
             cache.free_pages(pages[used:])
         if keep:

@@ -140,8 +140,8 @@ class Scheduler:
 
     def _add_chunk(self, req: Request, budget: int) -> int:
         """Schedule the next prefill chunk of ``req`` within ``budget``; the budget left."""
-        start = req.num_computed
-        end = start + min(req.num_remaining, budget)
+        start = req.lease.num_computed
+        end = start + min(req.num_tokens - start, budget)
         if not self._grow_or_preempt(req, end):
             return budget
         self._out[req.request_id] = ScheduledSeq(req, start, end)
@@ -151,7 +151,8 @@ class Scheduler:
         """A decode token. With pages, a step that ends on a page boundary writes its state to a
         fresh slot instead (``Lease.plan_decode_snapshot``): the next step reads it and writes
         the running slot again, so the newest page-aligned state survives to the finish."""
-        s = ScheduledSeq(req, req.num_computed, req.num_computed + 1)
+        start = req.lease.num_computed
+        s = ScheduledSeq(req, start, start + 1)
         slot = req.lease.plan_decode_snapshot(s.end)
         if slot is not None:
             s.write_slot = slot

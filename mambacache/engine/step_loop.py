@@ -81,13 +81,15 @@ class StepLoop:
         self.engine = engine
         self.depth = depth
         self.in_flight: InFlight | None = None  # [depth 1] dispatched, tokens not read yet
+        self.spec = engine.scheduler.speculative  # [speculative] verify rows, slot copies
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and account one step; the requests whose last token was read."""
         e, t_start = self.engine, time.perf_counter()
         check = e.cfg.scheduler.check_integrity_every_step
         scheduled = e.scheduler.schedule()
-        self._flush_slot_copies()  # ends released while scheduling (preemption)
+        if self.spec is not None:
+            self._flush_slot_copies()  # ends released while scheduling (preemption)
         if not scheduled and self.in_flight is None:
             return []
         if scheduled and check:
@@ -111,7 +113,8 @@ class StepLoop:
                         req.mark_pending(row)
             if self.in_flight is not None and not e.has_unfinished():
                 self._drop()  # only dropped rows are left in flight
-        self._flush_slot_copies()  # ends released by finishes
+        if self.spec is not None:
+            self._flush_slot_copies()  # ends released by finishes
         now = time.perf_counter()
         e.stats.on_step(e, scheduled, host_s=now - t_start - wait_s, wall_s=now - t_start,
                         t_start=t_start)
@@ -127,7 +130,7 @@ class StepLoop:
         e, prev = self.engine, self.in_flight
         ready = getattr(prev.tokens, "is_ready", None) if prev is not None else None
         host_bound = ready() if ready is not None else None  # before the batch is built
-        t_run = time.perf_counter()
+        t_run = 0.0 if self.depth else time.perf_counter()
         try:
             tokens, logprobs = e.runner.run(scheduled)
         except AssertionError:
@@ -138,9 +141,12 @@ class StepLoop:
         # depth 0 counts the batch building as busy (the device waits for nothing else)
         e.stats.on_flight(t_run if not self.depth else time.perf_counter(), +1,
                           host_bound=host_bound)
-        first = first_logit_row(scheduled)
-        rows = [(i, first[i]) for i, s in enumerate(scheduled)
-                if s.drafts or s.samples]  # before any token is pending
+        # the rows that sample, with their first logits row; before any token is pending
+        if self.spec is None:  # one logits row per row
+            rows = [(i, i) for i, s in enumerate(scheduled) if s.samples]
+        else:
+            first = first_logit_row(scheduled)
+            rows = [(i, first[i]) for i, s in enumerate(scheduled) if s.drafts or s.samples]
         for s in scheduled:
             if not s.drafts:  # a verify row's progress depends on its tokens
                 self._advance(s)
@@ -160,7 +166,7 @@ class StepLoop:
             return time.perf_counter() - t_wait
         drafts = e.runner.last_drafts if not self.depth else None
         if drafts is not None:  # [speculative mtp] keep the drafts for each row's next step
-            e.scheduler.speculative.drafter.observe(fl.scheduled, np.asarray(drafts))
+            self.spec.drafter.observe(fl.scheduled, np.asarray(drafts))
         now = time.perf_counter()
         e.stats.on_flight(now, -1)
         for i, row in fl.rows:
@@ -247,9 +253,8 @@ class StepLoop:
     def _flush_slot_copies(self) -> None:
         """[speculative] Copy scratch end states into the running slots the tree adopted, before
         any later step can read them (the pools' data dependency orders it)."""
-        spec = self.engine.scheduler.speculative
-        if spec is not None and spec.slot_copies:
-            self.engine.runner.copy_slots(spec.take_copies())
+        if self.spec.slot_copies:
+            self.engine.runner.copy_slots(self.spec.take_copies())
 
     # ---- failures ----------------------------------------------------------------------------
     def fail_step(self, scheduled: Sequence[ScheduledSeq], err: Exception, *,
