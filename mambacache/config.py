@@ -226,6 +226,9 @@ class ServeConfig:
     tokenizer.json; the built-in byte-level one for a preset), ``"byte"``, or a directory.
     ``model_name``: ``""`` = the model directory's or the preset's name. ``default_max_tokens``:
     for requests that give none. ``warmup``: one short generation before ``/health`` says ok.
+    ``api_key``: ``""`` = none; else the bearer key(s), comma-separated, every route but
+    ``/health`` needs (401 without). ``isolate_cache_by_key``: each bearer key's requests match
+    only prefixes sent with the same key (``cache_salt`` per request splits further).
     """
 
     host: str = "127.0.0.1"
@@ -236,9 +239,11 @@ class ServeConfig:
     retry_after_s: int = 1
     default_max_tokens: int = 16
     warmup: bool = True
+    api_key: str = ""
+    isolate_cache_by_key: bool = False
 
     def __post_init__(self):
-        for name in ("host", "model_name", "tokenizer"):
+        for name in ("host", "model_name", "tokenizer", "api_key"):
             value = getattr(self, name)
             _require(isinstance(value, str), f"serve.{name} must be a string, got {value!r}")
         _require(isinstance(self.port, int) and 0 < self.port < 65536,
@@ -248,7 +253,9 @@ class ServeConfig:
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                      f"serve.{name} must be an int >= 0, got {value!r}")
         _positive("serve.default_max_tokens", self.default_max_tokens)
-        _require(isinstance(self.warmup, bool), f"serve.warmup must be a bool, got {self.warmup!r}")
+        for name in ("warmup", "isolate_cache_by_key"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), f"serve.{name} must be a bool, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """``python -m mambacache.serve --config CONFIG [--set section.key=value ...] [--host H]
-[--port P]``: load the model, build the tokenizer, serve the OpenAI API with uvicorn."""
+[--port P] [--api-key KEY]``: load the model, build the tokenizer, serve the OpenAI API with
+uvicorn."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="override a config key (repeatable)")
     p.add_argument("--host", default=None, help="overrides serve.host")
     p.add_argument("--port", type=int, default=None, help="overrides serve.port")
+    p.add_argument("--api-key", default=None,
+                   help="overrides serve.api_key: bearer key(s), comma-separated")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -30,6 +33,8 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
         overrides["serve.host"] = args.host
     if args.port is not None:
         overrides["serve.port"] = args.port
+    if args.api_key is not None:
+        overrides["serve.api_key"] = args.api_key
     return EngineConfig.load(args.config, overrides)
 
 

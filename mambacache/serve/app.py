@@ -21,7 +21,7 @@ from mambacache.engine.sampling_params import SamplingParams
 from mambacache.serve import sglang_api
 from mambacache.serve.auth import Auth
 from mambacache.serve.engine_loop import EngineLoop, Overloaded
-from mambacache.serve.generation import Generation
+from mambacache.serve.generation import ClientGone, Generation
 from mambacache.serve.lenient import note_ignored
 from mambacache.serve.metrics import ServerMetrics
 from mambacache.serve.protocol import (
@@ -34,6 +34,8 @@ from mambacache.serve.protocol import (
 )
 from mambacache.serve.responses import ResponseShape, chat_logprobs, completion_logprobs, sse
 from mambacache.serve.tokenizer import encode_chat
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the answer
 
 
 def http_names(text: str) -> str:
@@ -119,7 +121,10 @@ class Server:
         if req.stream:
             return StreamingResponse(self._events(gen, shape, chat, want_lp, req.include_usage()),
                                      media_type="text/event-stream", headers=ignored)
-        return JSONResponse(await self._collect(gen, shape, chat, want_lp), headers=ignored)
+        try:
+            return JSONResponse(await self._collect(gen, shape, chat, want_lp), headers=ignored)
+        except ClientGone:  # nobody reads the answer; the request was aborted
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     def _logprobs(self, chat: bool, ids: list[int], lps: list[float], offset: int):
         if chat:

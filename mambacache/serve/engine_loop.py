@@ -101,8 +101,10 @@ class EngineLoop:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         return await asyncio.wrap_future(self.call_soon(fn))
 
-    async def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; ``ValueError`` (bad input, nothing held) or ``Overloaded``."""
+    async def submit(self, prompt: Sequence[int], params: SamplingParams,
+                     extra_key: str | None = None) -> RequestStream:
+        """Queue a request (``extra_key``: its cache namespace); ``ValueError`` (bad input,
+        nothing held) or ``Overloaded``."""
         with self._lock:
             if self.in_flight >= self.capacity:
                 raise Overloaded(f"{self.in_flight} requests in the server, the limit is "
@@ -110,7 +112,7 @@ class EngineLoop:
                                  "serve.max_waiting)")
             self.in_flight += 1
         stream = RequestStream(asyncio.get_running_loop())
-        fut = self.call_soon(lambda e: self._add(e, stream, prompt, params))
+        fut = self.call_soon(lambda e: self._add(e, stream, prompt, params, extra_key))
         try:
             await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
@@ -128,9 +130,9 @@ class EngineLoop:
             self.in_flight -= 1
 
     def _add(self, engine: Any, stream: RequestStream, prompt: Sequence[int],
-             params: SamplingParams) -> None:
+             params: SamplingParams, extra_key: str | None) -> None:
         try:
-            stream.request_id = engine.add_request(prompt, params)
+            stream.request_id = engine.add_request(prompt, params, extra_key=extra_key)
         except BaseException:
             self._release()  # here, not in ``submit``: its caller may be gone
             raise

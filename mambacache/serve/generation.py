@@ -21,6 +21,10 @@ from mambacache.serve.responses import usage
 DISCONNECT_POLL_S = 0.5
 
 
+class ClientGone(Exception):
+    """The client of a non-streamed request went away (its request is aborted)."""
+
+
 @dataclasses.dataclass
 class Piece:
     text: str
@@ -56,7 +60,7 @@ class Generation:
                 return await asyncio.wait_for(self.stream.next(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await self.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected") from None
+                    raise ClientGone("client disconnected") from None
 
     async def pieces(self) -> AsyncIterator[Piece]:
         try:

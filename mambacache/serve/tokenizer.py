@@ -2,6 +2,11 @@
 chat template of ``tokenizer_config.json`` (jinja2), or the built-in byte-level tokenizer that fits
 the embedded tiny models (ids 0-255 are bytes, then three special tokens; nothing to download).
 
+Chat messages are encoded by ``encode_chat``: special-token text inside a message (``<|im_end|>``
+typed by a user) becomes ordinary text ids, so only the template makes control tokens and no
+message can forge a turn; a completion prompt given as text is the client's whole prompt and
+keeps its special tokens.
+
 Invariants: ``encode`` never returns an id >= ``vocab_size``; ``decode`` of any id below
 ``vocab_size`` succeeds (ids the tokenizer does not know decode to ""); ``stop_token_ids`` are the
 ids that end a generation unless the request sets ``ignore_eos``.
@@ -71,6 +76,14 @@ class ByteTokenizer:
         self.chat_template = ChatTemplate(CHATML_TEMPLATE, {"bos_token": "",
                                                             "eos_token": "<|endoftext|>"})
 
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        return BYTE_SPECIALS
+
+    def encode_text(self, text: str) -> list[int]:
+        """Bytes of ``text``, special strings included (no control tokens)."""
+        return list(text.encode("utf-8"))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Bytes of ``text``; the special strings above become their ids."""
         ids: list[int] = []
@@ -123,6 +136,18 @@ class HFTokenizer:
         self.chat_template = ChatTemplate(source or CHATML_TEMPLATE,
                                           {k: v or "" for k, v in special.items()})
 
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.tok.get_added_tokens_decoder().values() if t.special)
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` with its special-token strings split like any text (no control tokens)."""
+        self.tok.encode_special_tokens = True
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tok.encode_special_tokens = False
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -131,6 +156,41 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+_MARK = re.compile("(\ue000[0-9]+\ue001)")
+
+
+def encode_chat(tok: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The chat prompt of ``messages`` (dicts with ``role``, ``content``, maybe ``name``) as ids.
+    A content holding special-token text is rendered as a private-use marker and encoded as text
+    where the marker lands; ``ValueError`` naming the message if the template drops or repeats
+    it, or if a ``name`` holds special-token text."""
+    literal: dict[str, str] = {}
+    safe = []
+    for i, m in enumerate(messages):
+        if any(s in str(m.get("name") or "") for s in tok.special_texts):
+            raise ValueError(f"messages[{i}].name holds special-token text")
+        if any(s in m["content"] for s in tok.special_texts):
+            mark = f"\ue000{i}\ue001"
+            literal[mark] = m["content"]
+            m = {**m, "content": mark}
+        safe.append(m)
+    text = tok.chat_template.render(safe)
+    if not literal:
+        return tok.encode(text, add_special_tokens=False)
+    ids: list[int] = []
+    seen = []
+    for part in _MARK.split(text):
+        if part in literal:
+            ids += tok.encode_text(literal[part])
+            seen.append(part)
+        elif part:
+            ids += tok.encode(part, add_special_tokens=False)
+    if sorted(seen) != sorted(literal):
+        raise ValueError("the chat template changed a message that holds special-token text; "
+                         "it cannot be encoded as text")
+    return ids
 
 
 def _read_json(path: Path) -> dict[str, Any]:
