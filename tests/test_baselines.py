@@ -97,3 +97,19 @@ def test_agent_and_synthetic_chat_traces():
     chat = synthetic_chat_trace(num_sessions=10, seed=1)
     assert [r["time_s"] for r in chat] == sorted(r["time_s"] for r in chat)
     assert all(2 <= len([r for r in chat if r["session"] == s]) <= 10 for s in range(10))
+
+
+def test_shared_budget_columns_and_split_sweep():
+    """The shared budget, the sweep of fixed splits and Marconi's LRU over one byte pool, with
+    a mapping where a state is the KV of 8 tokens (so the split matters at 400 tokens)."""
+    reqs = _shared_prefix(4, 10, 50, 7)
+    gib = 400 * 100 / 2**30  # 400 tokens of KV at 100 bytes each
+    row = budget_row(reqs, gib, state_bytes=800, kv_bytes_per_token=100)
+    assert set(row["splits"]) <= {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}
+    assert row["best_split"] == max(row["splits"].values())
+    assert row["splits"][row["split_share"]] == row["best_split"]
+    assert row["defaults"] == row["splits"][0.5]
+    assert 0 < row["best_split"] and 0 < row["lru_shared"]
+    assert row["shared"] >= row["best_split"] - 0.005  # the split follows the workload
+    assert row["config"]["memory_bytes"] == 40_000 and row["config"]["state_bytes"] == 800
+    assert "| shared budget |" in markdown([row])

@@ -163,3 +163,21 @@ def test_engine_sized_from_memory_bytes_stays_exact_and_within_budget():
     engine.check_integrity()
     with pytest.raises(ValueError, match="cannot hold one request of the context"):
         make_engine(**{**budget, "cache.memory_bytes": 1_000_000})
+
+
+def test_pool_resize_keeps_rows_and_zeroes_new_ones():
+    import jax.numpy as jnp
+
+    from mambacache.engine.pools import PoolState
+    from models.presets import get_preset
+
+    pools = PoolState.create(get_preset("tiny_qwen3_next"), 16, 2, 4)
+    pools = pools.replace(ssm=tuple(a.at[3].set(1.5) for a in pools.ssm),
+                          k_pages=tuple(a.at[9].set(2.0) for a in pools.k_pages))
+    grown = pools.resized(32, 2)  # KV grows, states shrink: rows kept, new rows zero
+    assert (grown.num_pages, grown.num_slots) == (33, 3)
+    assert float(grown.k_pages[0][9].min()) == 2.0
+    assert float(jnp.abs(grown.k_pages[0][17:]).max()) == 0
+    assert float(grown.ssm[0][2].max()) == 0 and grown.ssm[0].dtype == jnp.float32
+    with pytest.raises(ValueError, match="resized needs"):
+        pools.resized(0, 4)

@@ -1,22 +1,29 @@
-"""Hit rate per memory budget: the defaults against a baseline and an oracle, on one trace.
+"""Hit rate per memory budget: one shared byte budget against fixed splits, a baseline, an oracle.
 
-    python -m mambacache.bench.baselines --trace chat.jsonl --budgets 1,2,5 [--concurrency 1] \\
+    python -m mambacache.bench.baselines --trace chat.jsonl --budgets 1,2,5 [--concurrency 1] \
+        [--preset qwen3_next_80b_a3b | --state-bytes B --kv-bytes-per-token B] \
         [--set cache.eviction=flop_aware] [--out table.json]
 
-Three caches per budget, replayed host-only (``mambacache/cache/replay.py``: the request
-lifecycle of the engine without a model, ``concurrency`` requests in flight, the oldest finishing
-first):
+Caches per budget, replayed host-only (``mambacache/cache/replay.py``: the request lifecycle of
+the engine without a model, ``concurrency`` requests in flight, the oldest finishing first):
 
-* ``defaults``: ``CacheConfig()`` with the budget's pools (and the ``--set`` overrides);
-* ``baseline``: LRU, states only at branch points and request ends
-  (``speculative_states = false``, no checkpoints), the plain Marconi-admission tree;
-* ``oracle``: attention-only: the same KV pool, and a state at every page boundary for free
-  (``AttentionOracleCache``: a match is as long as the KV found in the tree), i.e. what a pure
-  attention model's prefix cache would hit with this KV.
+* ``shared``: ``CacheConfig()`` with ``cache.memory_bytes`` = the budget and no split: KV pages
+  and states draw on one byte budget (``cache/budget.py``), evicted in one order (``eviction =
+  "auto"``: tuned ``flop_aware``);
+* ``defaults``: ``CacheConfig()`` with two fixed pools, half of the bytes to states (the table
+  before the shared budget);
+* ``best_split``: the same fixed pools at the best state share of 0.1, 0.2, ... 0.9
+  (``split_share`` says which; ``splits`` has them all);
+* ``lru_shared``: a plain LRU tree over one shared byte pool, states only at branch points and
+  request ends (Marconi's "SGLang+" baseline);
+* ``baseline``: LRU, states only at branch points and request ends, fixed pools split in half;
+* ``oracle``: attention-only: the KV of the half split, and a state at every page boundary for
+  free (``AttentionOracleCache``: a match is as long as the KV found in the tree).
 
-Budget mapping (``budget_pools``), a 7B hybrid: one state (conv + SSM, all linear layers) is
-26.8 MB, the KV of 409 tokens (65.5 KB per token); half of the bytes go to states, half to KV.
-1 GiB = 20 state slots + 8193 KV tokens.
+Hit rates are cached prompt tokens over ALL prompt tokens of the trace (a request that can never
+fit a split counts as a miss). Byte mapping: by default a 7B hybrid (one state 26.8 MB = the KV
+of 409 tokens, 65.5 KB per token); ``--preset`` takes a real-size preset's sizes in bf16
+(``models/sizes.py``), ``--state-bytes`` / ``--kv-bytes-per-token`` any other model's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mambacache.cache.budget import ByteBudget
 from mambacache.cache.node import MatchResult, as_tokens, path_pages
 from mambacache.cache.radix import MambaRadixCache, make_cache_from_config
 from mambacache.cache.replay import as_requests, replay
@@ -80,37 +88,86 @@ def oracle_slots(cfg: CacheConfig, concurrency: int) -> int:
     return 2 * cfg.num_pages + 4 * concurrency + 8
 
 
-def _hit(res: dict[str, int]) -> float:
-    return res["cached_tokens"] / res["prompt_tokens"] if res["prompt_tokens"] else 0.0
+SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def _config(gib: float, state_share: float | None, overrides: dict[str, Any],
+            state_bytes: float, kv_bytes: float) -> CacheConfig:
+    """The cache section at ``gib``: two fixed pools at ``state_share``, or (``None``) one
+    shared byte budget (pool ids derived, ``cache/budget.ByteBudget``)."""
+    if state_share is None:
+        budget = ByteBudget(int(gib * 2**30), round(kv_bytes), round(state_bytes))
+        cache = {"memory_bytes": budget.limit_bytes, "state_bytes": budget.slot_bytes,
+                 "kv_bytes_per_token": budget.page_bytes, "num_kv_tokens": budget.num_pages,
+                 "num_mamba_slots": budget.num_slots}
+    else:
+        kv, slots = budget_pools(gib, state_bytes, state_bytes / kv_bytes, state_share)
+        cache = {"num_kv_tokens": kv, "num_mamba_slots": slots}
+    return EngineConfig.from_dict(apply_overrides({"cache": cache}, overrides)).cache
+
+
+def _run(cfg: CacheConfig, requests: list, concurrency: int, total: int) -> float:
+    res = replay(make_cache_from_config(cfg), requests, cfg.checkpoint_interval, concurrency)
+    return res["cached_tokens"] / total if total else 0.0
 
 
 def budget_row(records: list[dict[str, list[int]]], gib: float, concurrency: int = 1,
-               overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Hit rates of the defaults, the baseline and the oracle at one budget (trace records)."""
+               overrides: dict[str, Any] | None = None, state_bytes: float = STATE_BYTES,
+               kv_bytes_per_token: float = STATE_BYTES / STATE_KV_TOKENS) -> dict[str, Any]:
+    """Hit rates of the shared budget, the fixed splits, the baselines and the oracle at one
+    budget (trace records); see the module docstring."""
     requests = as_requests(records)
-    kv, slots = budget_pools(gib)
-    data = apply_overrides({"cache": {"num_kv_tokens": kv, "num_mamba_slots": slots}},
-                           overrides or {})
-    cfg = EngineConfig.from_dict(data).cache
-    plain = dataclasses.replace(cfg, eviction="lru", checkpoint_interval=0,
-                                speculative_states=False)
-    defaults = replay(make_cache_from_config(cfg), requests, cfg.checkpoint_interval, concurrency)
-    baseline = replay(make_cache_from_config(plain), requests, 0, concurrency)
-    oracle = AttentionOracleCache(cfg.num_pages, oracle_slots(cfg, concurrency), cfg.page_size,
-                                  speculative_states=False)
-    best = replay(oracle, requests, 0, concurrency)
-    return {"budget_gib": gib, "num_kv_tokens": kv, "num_mamba_slots": slots,
-            "defaults": _hit(defaults), "baseline": _hit(baseline), "oracle": _hit(best),
-            "dropped": defaults["dropped"], "config": dataclasses.asdict(cfg)}
+    total = sum(len(p) for p, _ in requests)
+    over = overrides or {}
+    plain = {"eviction": "lru", "checkpoint_interval": 0, "speculative_states": False}
+
+    def cfg(share, extra=None):
+        return _config(gib, share, {**over, **(extra or {})}, state_bytes, kv_bytes_per_token)
+
+    half = cfg(0.5)
+    splits = {}
+    for share in SHARES:
+        try:
+            splits[share] = _run(cfg(share), requests, concurrency, total)
+        except ValueError:  # fewer than 2 slots at this share
+            continue
+    best = max(splits, key=splits.__getitem__)
+    oracle = AttentionOracleCache(half.num_pages, oracle_slots(half, concurrency),
+                                  half.page_size, speculative_states=False)
+    shared = cfg(None)
+    return {"budget_gib": gib, "num_kv_tokens": half.num_kv_tokens,
+            "num_mamba_slots": half.num_mamba_slots, "state_bytes": state_bytes,
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "shared": _run(shared, requests, concurrency, total),
+            "defaults": splits.get(0.5, 0.0), "best_split": splits[best], "split_share": best,
+            "splits": splits,
+            "lru_shared": _run(cfg(None, {f"cache.{k}": v for k, v in plain.items()}),
+                               requests, concurrency, total),
+            "baseline": _run(dataclasses.replace(half, **plain), requests, concurrency, total),
+            "oracle": replay(oracle, requests, 0, concurrency)["cached_tokens"] / total,
+            "config": dataclasses.asdict(shared)}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| budget | KV tokens | state slots | defaults | LRU, no speculative states | "
-             "attention-only oracle |", "|---|---|---|---|---|---|"]
+    lines = ["| budget | shared budget | best fixed split (state share) | defaults (half) | "
+             "LRU, one shared pool | LRU, no speculative states (half) | attention-only oracle |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['budget_gib']:g} GiB | {r['num_kv_tokens']} | {r['num_mamba_slots']} "
-                     f"| {r['defaults']:.3f} | {r['baseline']:.3f} | {r['oracle']:.3f} |")
+        lines.append(f"| {r['budget_gib']:g} GiB | {r['shared']:.3f} | {r['best_split']:.3f} "
+                     f"({r['split_share']:g}) | {r['defaults']:.3f} | {r['lru_shared']:.3f} | "
+                     f"{r['baseline']:.3f} | {r['oracle']:.3f} |")
     return "\n".join(lines)
+
+
+def preset_sizes(name: str) -> tuple[int, int]:
+    """``(state_bytes, kv_bytes_per_token)`` of a model preset in bf16 (no parameters)."""
+    import jax.numpy as jnp
+
+    from models.presets import get_preset
+    from models.sizes import kv_bytes_per_token, state_bytes_per_slot
+
+    cfg = get_preset(name)
+    return state_bytes_per_slot(cfg, jnp.bfloat16), kv_bytes_per_token(cfg, jnp.bfloat16)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -120,12 +177,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--budgets", default="1,2,5", help="GiB, comma separated")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--preset", default=None, help="a model preset's byte sizes (bf16)")
+    ap.add_argument("--state-bytes", type=float, default=STATE_BYTES)
+    ap.add_argument("--kv-bytes-per-token", type=float, default=STATE_BYTES / STATE_KV_TOKENS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     with Path(args.trace).open() as f:
         requests = [json.loads(line) for line in f if line.strip()]
     overrides = parse_set_args(args.sets)
-    rows = [budget_row(requests, float(g), args.concurrency, overrides)
+    sizes = preset_sizes(args.preset) if args.preset else (args.state_bytes,
+                                                           args.kv_bytes_per_token)
+    rows = [budget_row(requests, float(g), args.concurrency, overrides, *sizes)
             for g in args.budgets.split(",")]
     print(markdown(rows))
     if args.out:

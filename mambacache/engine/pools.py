@@ -90,6 +90,26 @@ class PoolState:
             ssm=zeros("ssm", ssm_shape, jnp.float32, c.num_linear_layers),
         )
 
+    def resized(self, num_pages: int, num_slots: int) -> PoolState:
+        """The pools with ``num_pages`` usable pages and ``num_slots`` slots (reserved rows
+        apart): rows ``[0, min(old, new))`` copied, new rows zero, rows past a shrink dropped
+        (the caller frees those ids first). The building block of a rebalance between steps:
+        one copy per array, and the step recompiles for the new row counts."""
+        if num_pages < 1 or num_slots < 1:
+            raise ValueError(f"resized needs >= 1 page and slot, got {num_pages}, {num_slots}")
+
+        def rows(arrays: tuple, n: int) -> tuple:
+            out = []
+            for a in arrays:
+                keep = min(n, a.shape[0])
+                fresh = jnp.zeros((n, *a.shape[1:]), a.dtype, device=a.sharding)
+                out.append(jax.lax.dynamic_update_slice_in_dim(fresh, a[:keep], 0, 0))
+            return tuple(out)
+
+        return PoolState(k_pages=rows(self.k_pages, num_pages + 1),
+                         v_pages=rows(self.v_pages, num_pages + 1),
+                         conv=rows(self.conv, num_slots + 1), ssm=rows(self.ssm, num_slots + 1))
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held by the KV pages (``full``) and by the state slots (``mamba``)."""
         full = sum(a.nbytes for a in self.k_pages + self.v_pages)
