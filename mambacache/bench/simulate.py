@@ -14,9 +14,12 @@ is queued at once. One that can never fit the pools is dropped and counted.
 
 Result keys: ``prompt_tokens``, ``cached_tokens``, ``hit_rate``, ``us_per_request`` (median host
 time of a request: the engine's host time per step, scheduling and cache, without the shadow
-runner's checks, shared by the requests in the step), ``snapshots_kept``, ``snapshots_skipped``,
-``snapshots_evicted``, ``peak_token_usage`` / ``peak_mamba_usage`` (peak fraction of the pool
-protected: held by requests or locked in the tree), and a few more. With a byte budget
+runner's checks, shared by the requests in the step), ``engine_us_per_request`` (the engine's
+own host time, the shadow runner's checks excluded, summed over all steps, per request),
+``engine_us_per_step`` (its median per ``Engine.step`` call; ``--check-integrity`` adds the
+checks to both), ``snapshots_kept``, ``snapshots_skipped``, ``snapshots_evicted``,
+``peak_token_usage`` / ``peak_mamba_usage`` (peak fraction of the pool protected: held by
+requests or locked in the tree), and a few more. With a byte budget
 (``--set cache.memory_bytes=N``; sizes from ``model.preset``, a real-size one included, or
 ``--state-bytes B --kv-bytes-per-token B``) KV and states share the bytes, and the result adds
 ``state_bytes``, ``kv_bytes_per_token``, ``kv_bytes_held`` / ``state_bytes_held`` (final) and
@@ -123,7 +126,7 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
             outputs[engine.add_request(r["prompt"], params)] = list(r["output"])
         except ValueError:  # can never fit the pools: dropped and counted
             dropped += 1
-    host = _drive(engine)
+    host, steps = _drive(engine)
     m = engine.metrics()
     stats = engine.cache.stats()
     per_request = np.asarray(list(host.values()))
@@ -136,6 +139,8 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
         "computed_prefill_tokens": m["computed_prefill_tokens"],
         "us_per_request": float(np.median(per_request)) * 1e6 if host else 0.0,
         "us_per_request_mean": float(np.mean(per_request)) * 1e6 if host else 0.0,
+        "engine_us_per_request": float(np.sum(steps)) / len(host) * 1e6 if host else 0.0,
+        "engine_us_per_step": float(np.median(steps)) * 1e6 if steps else 0.0,
         "steps": m["num_steps"],
         "preemptions": m["preemptions"],
         "decode_program_share": m["decode_program_share"],
@@ -179,10 +184,12 @@ def _byte_keys(cfg: EngineConfig, stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _drive(engine: Engine) -> dict[int, float]:
+def _drive(engine: Engine) -> tuple[dict[int, float], list[float]]:
     """Step ``engine`` until idle; each step's host time (scheduling + cache, not the shadow
-    runner's checks) is shared equally by the requests in it. Returns seconds per request."""
+    runner's checks) is shared equally by the requests in it. Returns seconds per request and
+    the seconds of every ``Engine.step`` call."""
     host: dict[int, float] = {}
+    steps: list[float] = []
     runner = engine.runner
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -190,12 +197,14 @@ def _drive(engine: Engine) -> dict[int, float]:
         before = engine.scheduler.progress_marker()
         engine.step()
         rows = runner.last_request_ids
-        share = (time.perf_counter() - t0 - (runner.run_s - r0)) / max(len(rows), 1)
+        step_s = time.perf_counter() - t0 - (runner.run_s - r0)
+        steps.append(step_s)
+        share = step_s / max(len(rows), 1)
         for rid in rows:
             host[rid] = host.get(rid, 0.0) + share
         if engine.scheduler.progress_marker() == before:
             raise RuntimeError(f"simulation made no progress: {engine.scheduler.describe()}")
-    return host
+    return host, steps
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""Host cost of one decode step of ``--rows`` requests: the engine's own time per ``Engine.step``
+(scheduling, the lease transitions, row specs, appends), the shadow runner's checks excluded.
+
+    python scripts/decode_step_host.py --rows 256 [--steps 60] [--overlap 0|1] [--page-size 16]
+
+No model and no device: the engine runs on the data-flow oracle (``ShadowRunner``), whose own
+``run`` time is subtracted. Prints the median and the 10th / 90th percentiles in ms (one line of
+JSON with ``--json``). Uses only the public engine API, so it runs against older trees too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from mambacache.config import EngineConfig
+from mambacache.engine.engine import Engine
+from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.shadow_runner import ShadowRunner
+
+
+def decode_step_ms(rows: int, steps: int, overlap: bool, page_size: int) -> list[float]:
+    """Milliseconds of engine host time of ``steps`` decode steps of ``rows`` requests."""
+    cfg = EngineConfig().replace(**{
+        "cache.num_kv_tokens": rows * 512, "cache.num_mamba_slots": 4 * rows,
+        "cache.page_size": page_size, "scheduler.max_running_requests": rows,
+        "scheduler.chunked_prefill_size": rows * 128, "scheduler.overlap": overlap})
+    runner = ShadowRunner.for_config(cfg, vocab_size=32000)
+    engine = Engine(cfg, runner=runner)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
+    for _ in range(rows):
+        engine.add_request(rng.integers(1, 32000, 100).tolist(), params)
+    for _ in range(3):  # the prefill, then every request decodes
+        engine.step()
+    out = []
+    for _ in range(steps):
+        t0, r0 = time.perf_counter(), runner.run_s
+        engine.step()
+        out.append((time.perf_counter() - t0 - (runner.run_s - r0)) * 1e3)
+        if len(runner.last_request_ids) != rows:
+            raise RuntimeError(f"a step ran {len(runner.last_request_ids)} rows, not {rows}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--overlap", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    ms = decode_step_ms(args.rows, args.steps, bool(args.overlap), args.page_size)
+    res = {"rows": args.rows, "overlap": args.overlap, "median_ms": float(np.median(ms)),
+           "p10_ms": float(np.percentile(ms, 10)), "p90_ms": float(np.percentile(ms, 90))}
+    print(json.dumps(res) if args.json else
+          f"{args.rows} rows, overlap {args.overlap}: {res['median_ms']:.2f} ms per decode step "
+          f"(p10 {res['p10_ms']:.2f}, p90 {res['p90_ms']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
