@@ -1,9 +1,9 @@
 """Kimi Delta Attention (KDA) layer: the linear-attention mixer of Kimi Linear.
 
 ``x @ in_proj`` gives q, k, v (per head ``q_h | k_h | v_h``: the conv channels, group-major, see
-``models/kimi_params.py``); one depthwise causal conv + SiLU over all ``3 * H * D`` channels
-(transformers keeps three convs, q / k / v, which are one depthwise conv over the concatenation:
-one conv-pool row per layer holds the three windows). The decay is per key channel:
+``models/families/kimi_linear.py``); one depthwise causal conv + SiLU over all ``3 * H * D``
+channels (transformers keeps three convs, q / k / v, which are one depthwise conv over the
+concatenation: one conv-pool row per layer holds the three windows). The decay is per key channel:
 ``g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`` ``[T, H, D]`` float32;
 ``beta = sigmoid(b_proj(x))``; ``ops.kda_extend`` / ``ops.kda_decode`` run the delta rule against
 the SSM pool (q, k L2-normalised inside, q scaled by ``D^-0.5``); the output goes through

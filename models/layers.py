@@ -47,6 +47,13 @@ def rms_norm_plain(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight * xf.astype(x.dtype)).astype(x.dtype)
 
 
+def rms_norm_f32_weight(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Nemotron-H's RMSNorm: ``(w * x / rms(x))`` all in fp32, cast once to x.dtype."""
+    xf = x.astype(F32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(F32) * xf).astype(x.dtype)
+
+
 def sigmoid_gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array,
                            eps: float) -> jax.Array:
     """KDA output norm ``w * (x / rms(x)) * sigmoid(gate)``, all in fp32, cast once to x.dtype.

@@ -10,10 +10,10 @@ The clamp is applied in every path (transformers skips it in its one-token updat
 its cached decode a different function from its prefill whenever the clamp bites; ours is one
 function, so a cached prefix gives the same tokens as a recomputed one).
 
-Layout (group-major, ``models/mamba2_params.py``): with ``r = H / G``, ``in_proj`` columns are
-``G`` groups ``z_j (r*P) | x_j (r*P) | B_j (N) | C_j (N) | dt_j (r)`` and the conv channels
-``G`` groups ``x_j | B_j | C_j``; a contiguous split over tensor-parallel devices gives whole
-groups. Pools: conv ``[S, K-1, C]`` in the model dtype, ssm ``[S, H, N, P]`` float32
+Layout (group-major, ``models/families/mamba2_common.py``): with ``r = H / G``, ``in_proj``
+columns are ``G`` groups ``z_j (r*P) | x_j (r*P) | B_j (N) | C_j (N) | dt_j (r)`` and the conv
+channels ``G`` groups ``x_j | B_j | C_j``; a contiguous split over tensor-parallel devices gives
+whole groups. Pools: conv ``[S, K-1, C]`` in the model dtype, ssm ``[S, H, N, P]`` float32
 (``ModelConfig``'s linear_* sizes hold the Mamba2 ones: key heads = G, key dim = N, value heads
 = H, value dim = P).
 """

@@ -2,7 +2,7 @@
 Granite's attention multiplier), Nemotron-H's squared-ReLU MLP and sigmoid-routed MoE, Granite's
 softmax top-k MoE with its shared SwiGLU (``models/moe.py``, grouped on GPU / TPU).
 
-Params (``[in, out]`` weights, ``models/mamba2_params.py``): attention ``qkv_proj`` group-major
+Params (``[in, out]`` weights, ``models/families/``): attention ``qkv_proj`` group-major
 per KV head (``r`` query heads, then k, then v, ``D`` each) and ``o_proj``; Nemotron MLP ``up``,
 ``down``; Nemotron MoE ``router [D, E]``, ``router_bias [E]``, ``up [E, D, I]``, ``down [E, I,
 D]``, ``shared_up``, ``shared_down``; Granite MoE in ``models/moe.py``'s layout without a shared
@@ -83,6 +83,14 @@ def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, impl: 
     else:
         routed = routed_experts(x, top_vals, top_idx, p["up"], p["down"], act=relu2, mesh=mesh)
     return routed.astype(x.dtype) + relu2(x @ p["shared_up"]) @ p["shared_down"]
+
+
+def nemotron_ffn(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
+                 mesh: Mesh | None) -> jax.Array:
+    """The sublayer of a Nemotron-H MLP (``layer["mlp"]``) or MoE (``layer["moe"]``) block."""
+    if "moe" in layer:
+        return nemotron_moe(cfg, layer["moe"], x, impl, mesh)
+    return nemotron_mlp(layer["mlp"], x)
 
 
 def granite_ffn(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,

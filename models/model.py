@@ -5,6 +5,9 @@ Jittable with the pools donated::
     step = jax.jit(partial(forward, cfg=cfg, kernels="auto", decode=False), donate_argnums=(1,))
     pools, logits = step(params, pools, batch)
 
+One loop for every family: each layer's mixer comes from the family's ``mixers`` (a
+``models.mixer_registry.Mixer`` per layer type), its norms and feed-forward from the family too
+(``models/families/base.py`` states the block structure).
 ``pools`` is duck-typed ``mambacache.engine.pools.PoolState`` (tuples ``k_pages``/``v_pages``
 per full layer, ``conv``/``ssm`` per linear layer, in layer order; updated with
 ``pools.replace``) and ``batch`` a ``mambacache.engine.batch.ForwardBatch``. This module does
@@ -23,31 +26,48 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
-from models.kda import kimi_delta_attention
-from models.layers import rms_norm, rms_norm_plain, swiglu
-from models.mamba2_model import mamba2_forward
-from models.mixers import full_attention, gated_delta_net
-from models.mla import mla_attention_layer
-from models.moe import moe_dense_reference, moe_grouped
+from models.moe import mlp_block  # noqa: F401  (re-exported: the Qwen / Kimi feed-forward)
 from pallas_kernels import ops
 
 KERNELS = ("pallas", "reference", "auto")
 
 
-def mlp_block(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
-         mesh: Mesh | None) -> jax.Array:
-    """Dense SwiGLU, or the MoE: grouped (``ragged_dot``, cost ~ T * k) with the Pallas kernels
-    (GPU/TPU), the dense form (every expert on every token) with the references: on CPU
-    ``ragged_dot`` lowers to a masked dense product that costs E / k times more (``docs/model.md``).
-    """
-    if "moe" in layer:
-        routing = {"groups": (cfg.n_group, cfg.topk_group), "scale": cfg.routed_scaling_factor}
-        if impl == "reference":
-            return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok,
-                                       cfg.norm_topk_prob, **routing)
-        return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                           mesh=mesh, **routing)
-    return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
+def _residual(h: jax.Array, x: jax.Array, multiplier: float) -> jax.Array:
+    return h + (x if multiplier == 1.0 else x * multiplier)
+
+
+def _layers(cfg: ModelConfig, params: dict[str, Any], pools: Any, h: jax.Array, batch: Any, *,
+            impl: str, decode: bool, mesh: Mesh | None) -> tuple[jax.Array, Any]:
+    """Every decoder layer in order (``Family``'s block structure); returns (h, pools). Linear
+    layers take the conv / ssm slots in order, attention layers the KV (or latent) pages."""
+    family, eps, m = cfg.model_family, cfg.rms_norm_eps, cfg.residual_multiplier
+    k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
+    conv, ssm = list(pools.conv), list(pools.ssm)
+    full_i = linear_i = 0
+    for kind, mlp, layer in zip(cfg.layer_types, cfg.mlp_types, params["layers"], strict=True):
+        if kind != "none":
+            mixer = family.mixers[kind]
+            x = family.norm(h, layer["input_norm"], eps)
+            if mixer.pool == "state":
+                i, arrays = linear_i, (conv[linear_i], ssm[linear_i])
+                linear_i += 1
+            else:
+                i, arrays = full_i, (k_pages[full_i],) + (
+                    (v_pages[full_i],) if mixer.pool == "kv" else ())
+                full_i += 1
+            x, arrays = mixer(cfg, layer, x, arrays, batch, decode=decode, impl=impl, mesh=mesh)
+            if mixer.pool == "state":
+                conv[i], ssm[i] = arrays
+            else:
+                k_pages[i] = arrays[0]
+                if mixer.pool == "kv":
+                    v_pages[i] = arrays[1]
+            h = _residual(h, x, m)
+        if mlp != "none":
+            x = family.norm(h, layer["post_norm" if "post_norm" in layer else "input_norm"], eps)
+            h = _residual(h, family.ffn(cfg, layer, x, impl, mesh), m)
+    return h, pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),
+                            ssm=tuple(ssm))
 
 
 def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
@@ -67,42 +87,18 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
     if decode and batch.input_ids.shape[0] != batch.read_slot.shape[0]:
         raise ValueError(f"decode needs one token per sequence: {batch.input_ids.shape[0]} tokens, "
                          f"{batch.read_slot.shape[0]} sequences")
-    if cfg.family in ("nemotron_h", "granitemoehybrid"):  # models/mamba2_model.py
-        return mamba2_forward(params, pools, batch, cfg=cfg, impl=impl, decode=decode, mesh=mesh)
-    k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
-    conv, ssm = list(pools.conv), list(pools.ssm)
+    norm, eps = cfg.model_family.norm, cfg.rms_norm_eps
     h = jnp.take(params["embed"], batch.input_ids, axis=0)
-    norm = rms_norm_plain if cfg.family == "kimi_linear" else rms_norm
-    full_i = linear_i = 0
-    for kind, layer in zip(cfg.layer_types, params["layers"], strict=True):
-        x = norm(h, layer["input_norm"], cfg.rms_norm_eps)
-        if "kda" in layer:
-            x, conv[linear_i], ssm[linear_i] = kimi_delta_attention(
-                cfg, layer["kda"], x, conv[linear_i], ssm[linear_i], batch, decode=decode,
-                impl=impl, mesh=mesh)
-            linear_i += 1
-        elif "mla" in layer:
-            x, k_pages[full_i] = mla_attention_layer(cfg, layer["mla"], x, k_pages[full_i],
-                                                     batch, impl=impl, mesh=mesh)
-            full_i += 1
-        elif kind == "linear_attention":
-            x, conv[linear_i], ssm[linear_i] = gated_delta_net(
-                cfg, layer["gdn"], x, conv[linear_i], ssm[linear_i], batch, decode=decode,
-                impl=impl, mesh=mesh)
-            linear_i += 1
-        else:
-            x, k_pages[full_i], v_pages[full_i] = full_attention(
-                cfg, layer["attn"], x, k_pages[full_i], v_pages[full_i], batch, impl=impl,
-                mesh=mesh)
-            full_i += 1
-        h = h + x
-        h = h + mlp_block(cfg, layer, norm(h, layer["post_norm"], cfg.rms_norm_eps), impl, mesh)
-    pools = pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),
-                          ssm=tuple(ssm))
+    if cfg.embedding_multiplier != 1.0:
+        h = h * cfg.embedding_multiplier
+    h, pools = _layers(cfg, params, pools, h, batch, impl=impl, decode=decode, mesh=mesh)
     if return_hidden:  # the same row-wise norm as below, on every token
-        hidden = norm(h, params["final_norm"], cfg.rms_norm_eps)
+        hidden = norm(h, params["final_norm"], eps)
         logits = jnp.take(hidden, batch.logits_indices, axis=0) @ params["lm_head"]
-        return pools, logits.astype(jnp.float32), hidden
-    h = jnp.take(h, batch.logits_indices, axis=0)
-    logits = (norm(h, params["final_norm"], cfg.rms_norm_eps) @ params["lm_head"])
-    return pools, logits.astype(jnp.float32)
+    else:
+        h = jnp.take(h, batch.logits_indices, axis=0)
+        logits = norm(h, params["final_norm"], eps) @ params["lm_head"]
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
+    logits = logits.astype(jnp.float32)
+    return (pools, logits, hidden) if return_hidden else (pools, logits)

@@ -19,12 +19,17 @@ Routing (both forms, one ``jax.lax.top_k`` call, so ties resolve identically): `
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models.layers import F32, swiglu
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
 
 TP_AXIS = "tp"
 
@@ -179,3 +184,20 @@ def _routed_on_mesh(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_
     experts = P(TP_AXIS, None, None)
     return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), experts, experts),
                          out_specs=P(), check_vma=False)(x, top_vals, top_idx, gate_up, down)
+
+
+def mlp_block(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
+              mesh: Mesh | None) -> jax.Array:
+    """The feed-forward of the Qwen and Kimi families: dense SwiGLU (``layer["mlp"]``), or the
+    MoE (``layer["moe"]``): grouped (``ragged_dot``, cost ~ T * k) with the Pallas kernels
+    (GPU/TPU), the dense form (every expert on every token) with the references: on CPU
+    ``ragged_dot`` lowers to a masked dense product that costs E / k times more
+    (``docs/model.md``)."""
+    if "moe" in layer:
+        routing = {"groups": (cfg.n_group, cfg.topk_group), "scale": cfg.routed_scaling_factor}
+        if impl == "reference":
+            return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok,
+                                       cfg.norm_topk_prob, **routing)
+        return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                           mesh=mesh, **routing)
+    return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])

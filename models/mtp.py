@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from models.config import MTP_FAMILIES, ModelConfig
+from models.config import ModelConfig
 from models.layers import rms_norm
 from models.mixers import full_attention
-from models.model import mlp_block
+from models.moe import mlp_block
 
 
 def mtp_layer(cfg: ModelConfig, mtp: dict[str, Any], embed: jax.Array, ids: jax.Array,
@@ -136,8 +136,8 @@ def with_seeded_mtp(cfg: ModelConfig, params: dict[str, Any],
     """
     from models.params import init_params
 
-    if cfg.family not in MTP_FAMILIES:
-        raise ValueError(f"an MTP head is supported for {MTP_FAMILIES}, not {cfg.family}")
+    if not cfg.model_family.supports_mtp:
+        raise ValueError(f"an MTP head is not supported for {cfg.family}")
     cfg = dataclasses.replace(cfg, num_mtp_layers=1)
     mtp = init_params(cfg, seed=seed, dtype=jnp.float32)["mtp"]
     h = cfg.hidden_size

@@ -1,4 +1,7 @@
-"""Parameter layout (one for all families) and the seeded random init.
+"""Parameter layout and the seeded random init; the Qwen families' layer layout in full.
+
+Every family lays out its own layers (``models/families/``: ``Family.layer_shapes``); the trunk
+(embed, final_norm, lm_head) and the conventions below are shared. The Qwen layout:
 
 Params are a plain pytree of ``jax.Array`` (nested dicts and a tuple of per-layer dicts). Linear
 weights are stored ``[in, out]`` (``y = x @ w``), i.e. transposed from torch's ``nn.Linear``:
@@ -85,30 +88,14 @@ def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """The full parameter tree with shape tuples as leaves."""
+    """The full parameter tree with shape tuples as leaves (each layer as its family lays it
+    out: ``Family.layer_shapes``)."""
+    family = cfg.model_family
+    layers = tuple(family.layer_shapes(cfg, kind, mlp)
+                   for kind, mlp in zip(cfg.layer_types, cfg.mlp_types, strict=True))
     h = cfg.hidden_size
-    layers = []
-    for kind, mlp in zip(cfg.layer_types, cfg.mlp_types, strict=True):
-        layer: dict[str, Any] = {"input_norm": (h,), "post_norm": (h,)}
-        if cfg.family in ("nemotron_h", "granitemoehybrid"):  # Mamba2 hybrids
-            from models.mamba2_params import mamba2_layer_shapes
-            layers.append(mamba2_layer_shapes(cfg, kind, mlp))
-            continue
-        if cfg.family == "kimi_linear":  # KDA / MLA / DeepSeek-style MoE
-            from models.kimi_params import kimi_layer_shapes
-            layers.append({**layer, **kimi_layer_shapes(cfg, kind, mlp)})
-            continue
-        if kind == "linear_attention":
-            layer["gdn"] = gdn_shapes(cfg)
-        else:
-            layer["attn"] = attn_shapes(cfg)
-        if mlp == "moe":
-            layer["moe"] = moe_shapes(cfg)
-        else:
-            layer["mlp"] = mlp_shapes(cfg)
-        layers.append(layer)
     tree = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "lm_head": (h, cfg.vocab_size),
-            "layers": tuple(layers)}
+            "layers": layers}
     if cfg.num_mtp_layers:  # last: the target's params draw the same random numbers either way
         tree["mtp"] = mtp_shapes(cfg)
     return tree
@@ -167,8 +154,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> di
         if _is_shape(tree):
             fan_in = tree[-2] if len(tree) >= 2 else 1
             leaf = _init_leaf(path, tree, rng, 1.0 / np.sqrt(fan_in),
-                              plain_norms=cfg.family in ("kimi_linear", "nemotron_h",
-                                                         "granitemoehybrid"))
+                              plain_norms=cfg.model_family.plain_norms)
             return jnp.asarray(leaf.astype(np.float32), dtype=dtype)
         if isinstance(tree, dict):
             return {k: build(v, f"{path}/{k}") for k, v in tree.items()}

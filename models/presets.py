@@ -76,8 +76,8 @@ PRESETS["tiny_qwen3_next_tp4"] = dataclasses.replace(
     PRESETS["tiny_qwen3_next"], num_attention_heads=8, num_key_value_heads=4,
     linear_num_key_heads=4, linear_num_value_heads=8)
 
-# Mamba2 hybrids (models/mamba2_config.py): linear_* hold the Mamba2 sizes (G=2 groups of N=16
-# state, H=8 heads of P=8), dt clamped as the released configs do. Head, KV-head and expert
+# Mamba2 hybrids (models/families/mamba2_common.py): linear_* hold the Mamba2 sizes (G=2 groups
+# of N=16 state, H=8 heads of P=8), dt clamped as the released configs do. Head, KV-head and expert
 # counts divide 4 (TP 2 and 4 on forced CPU devices; at TP 4 each device gets half a group).
 _MAMBA2 = dict(vocab_size=512, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=8,
@@ -96,9 +96,10 @@ PRESETS["tiny_granite_4_h"] = ModelConfig(  # M M * M, MoE + shared SwiGLU, muP 
     embedding_multiplier=0.5, residual_multiplier=0.8, attention_multiplier=0.0625,
     logits_scaling=2.0, tie_word_embeddings=True, rms_norm_eps=1e-6, **_MAMBA2)
 
-# Kimi Linear (models/kimi_config.py): KDA x3 + MLA (NoPE, latent 32 + shared key 8 per token),
-# first MLP dense, then DeepSeek-style MoE (4 groups of 2 experts, top-2 groups, top-2). KDA
-# conv channels 3 * 4 * 32 = 384, a multiple of 128 (the TPU conv prefill needs one above 128).
+# Kimi Linear (models/families/kimi_linear.py): KDA x3 + MLA (NoPE, latent 32 + shared key 8
+# per token), first MLP dense, then DeepSeek-style MoE (4 groups of 2 experts, top-2 groups,
+# top-2). KDA conv channels 3 * 4 * 32 = 384, a multiple of 128 (the TPU conv prefill needs
+# one above 128).
 PRESETS["tiny_kimi_linear"] = ModelConfig(
     family="kimi_linear", vocab_size=512, hidden_size=64, layer_types=_PATTERN,
     mlp_types=("dense", "moe", "moe", "moe"), num_attention_heads=4, num_key_value_heads=4,

@@ -14,7 +14,7 @@ from safetensors.flax import save_file as save_jax
 from test_loader import FIXTURES, assert_same_params, copy_with, read_all
 
 from models import ModelConfig, load_checkpoint
-from models.mamba2_loader import mamba_conv_channel_order
+from models.families.mamba2_common import mamba_conv_channel_order
 
 
 def hf_config(name: str) -> dict:

@@ -41,7 +41,7 @@ _PARAM_AXIS = {
     "in_proj": 1, "conv_w": 1, "A_log": 0, "dt_bias": 0, "out_proj": 0,
     "qkv_proj": 1, "o_proj": 0,
     "shared_gate_up": 1, "shared_down": 0,
-    "conv_b": 0, "D": 0, "shared_up": 1,  # Mamba2 hybrids (models/mamba2_params.py)
+    "conv_b": 0, "D": 0, "shared_up": 1,  # Mamba2 hybrids (models/families/mamba2_common.py)
     "f_b": 1, "g_b": 1, "b_proj": 1, "q_proj": 1, "k_up": 0, "v_up": 0,  # Kimi Linear
 }
 _MLP_AXIS = {"gate_up": 1, "up": 1, "down": 0}  # dense MLP; MoE experts use axis 0 instead
