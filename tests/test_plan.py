@@ -117,6 +117,31 @@ def test_tiny_step_compiles_on_a_tpu_topology(tmp_path):
     assert p["programs"]["prefill"]["temp_bytes"] > 0 and p["roofline"]["decode"]["seconds"] > 0
 
 
+@pytest.mark.aot
+def test_step_temporaries_do_not_grow_with_the_pools(monkeypatch):
+    """The plan compiles with small pools and adds the pools' bytes by arithmetic: valid only
+    if the donated pools never show up in the temporaries."""
+    import dataclasses
+
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from mambacache.parallel.topology import compile_devices
+
+    monkeypatch.setenv("PALLAS_FAMILY", "tpu")
+    monkeypatch.setenv("PALLAS_INTERPRET", "0")
+    cfg = EngineConfig.load(None, {"scheduler.max_running_requests": 4, "cache.page_size": 16})
+    model_cfg = dataclasses.replace(get_preset("tiny_qwen3_next"), max_position_embeddings=1024)
+    mesh = Mesh(np.asarray(compile_devices("v6e:2x2")[:1]), ("tp",))
+    params = sizing.abstract_params(model_cfg, jnp.bfloat16)
+    shape = sizing.largest_step_shapes(cfg, model_cfg)["decode"]
+    temps = {sizing.compile_step(model_cfg, shape, params=params, page_size=16, kernels="pallas",
+                                 mesh=mesh, pools=sizing.abstract_pools(
+                                     model_cfg, pages, 16, slots, jnp.bfloat16)).temp_bytes
+             for pages, slots in ((64, 5), (1024, 80))}
+    assert len(temps) == 1, temps
+
+
 def test_device_report_folds_fractions_of_roofline(tmp_path):
     import subprocess
     import sys
@@ -146,3 +171,51 @@ def test_local_sizing_needs_a_device_that_reports_memory():
         pytest.fail("this test expects the CPU backend of the test suite")
     with pytest.raises(ValueError, match="cache.memory_bytes"):
         local_topology()
+
+
+# The rows of docs/parallel.md: bf16, page size 16; (preset, topology, TP, context). Each compiles
+# the real step of a 27-98 layer model: many minutes on a loaded 2-core box.
+REAL_ROWS = [("qwen3_next_80b_a3b", "v6e:2x4", 8, None),
+             ("kimi_linear_48b_a3b", "v6e:2x2", 4, 32768),
+             ("nemotron_h_47b", "v6e:2x4", 8, 32768)]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("preset,topology,tp,context", REAL_ROWS)
+def test_real_size_step_compiles_and_fits(tmp_path, preset, topology, tp, context):
+    args = [topology, "--set", f"model.preset={preset}", "--set", "model.dtype=bfloat16",
+            "--set", f"parallel.tensor_parallel={tp}", "--set", "cache.page_size=16"]
+    rc, p = _run(tmp_path, *args, *(["--context-len", str(context)] if context else []))
+    assert rc == 0 and p["fits"] and p["compiled"], p.get("reason")
+    assert p["num_mamba_slots"] >= 16 and p["num_kv_tokens"] >= 16384
+    assert p["weight_bytes"] + p["step_bytes"] < p["hbm_bytes"]
+
+
+@pytest.mark.aot
+def test_80b_bf16_on_v5e_2x4_is_an_error_with_the_numbers(tmp_path):
+    rc, p = _run(tmp_path, "v5e:2x4", "--set", "model.preset=qwen3_next_80b_a3b",
+                 "--set", "model.dtype=bfloat16", "--set", "parallel.tensor_parallel=8")
+    assert rc == 1 and not p["fits"]
+    assert "exceed the 16.91 GB of HBM by" in p["reason"]
+
+
+@pytest.mark.slow
+def test_device_cache_budget_is_the_plans_arithmetic_on_local_devices(monkeypatch):
+    """The engine's entry (``sizing.device_cache_budget``) on this CPU with a stated HBM: the
+    step compiled with the references, the budget (hbm - weights - step) x memory_fraction."""
+    import dataclasses
+
+    from mambacache.parallel import topology
+    from models.params import init_params
+
+    cfg = EngineConfig.load(None, {"scheduler.max_running_requests": 4,
+                                   "scheduler.chunked_prefill_size": 32,
+                                   "cache.memory_fraction": 0.5, "model.kernels": "reference"})
+    model_cfg = dataclasses.replace(get_preset("tiny_qwen3_next"), max_position_embeddings=256)
+    chip = topology.Chip("cpu", 10**9, 0.0, 0.0, 0.0, "local")
+    monkeypatch.setattr(topology, "local_topology", lambda: topology.Topology("local", chip, 1))
+    params = init_params(model_cfg, 0, jnp.float32)
+    budget = sizing.device_cache_budget(cfg, model_cfg, params, make_mesh(1))
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    step = 10**9 - weights - 2 * budget
+    assert 0 < step < 50 * 10**6, step  # the compiled step's temporaries + code, a few MB

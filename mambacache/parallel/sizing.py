@@ -191,17 +191,17 @@ def step_memories(model_cfg: Any, cfg: Any, shapes: dict[str, StepShape], *, par
 
 def device_cache_budget(cfg: Any, model_cfg: Any, params: Any, mesh: Mesh) -> int:
     """The engine's cache budget per device on this machine's devices (``mesh``), by the plan's
-    path: the allocator's ``bytes_limit`` minus the params' largest device share minus the
+    path: the allocator's ``bytes_limit`` minus the params' device share on ``mesh`` minus the
     largest step program's temporaries and code, times ``cache.memory_fraction``.
     ``ValueError`` when nothing is left or the backend reports no memory (CPU)."""
     from mambacache.cache.budget import budget_from_fraction
-    from mambacache.parallel.mesh import per_device_bytes
     from mambacache.parallel.topology import local_topology
 
     hbm = local_topology().chip.hbm_bytes
-    weights = max(per_device_bytes(params).values())
     dtype = jax.tree.leaves(params)[0].dtype
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    # the share each device holds once placed on ``mesh`` (params may still sit on one device)
+    weights = laid_out_bytes(abstract, param_shardings(abstract, mesh))
     mems = step_memories(model_cfg, cfg, largest_step_shapes(cfg, model_cfg), params=abstract,
                          mesh=mesh, dtype=dtype, kernels=cfg.model.kernels)
     step = max(m.temp_bytes + m.code_bytes for m in mems.values())
