@@ -63,7 +63,7 @@ def validate_tensor_parallel(model_cfg: Any, tp: int, num_devices: int | None = 
     }
     if "moe" in model_cfg.mlp_types:
         counts["num_experts"] = model_cfg.num_experts
-    if model_cfg.family in ("nemotron_h", "granitemoehybrid"):
+    if model_cfg.model_family.linear_groups_replicate:
         groups = counts.pop("linear_num_key_heads")  # Mamba2 groups: split, or one per device
         if groups % tp and tp % groups:
             raise ValueError(f"parallel.tensor_parallel={tp} and the model's Mamba2 n_groups "

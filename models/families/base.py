@@ -84,6 +84,9 @@ class Family:
     ``architectures`` / ``model_types``: the ``config.json`` values that select this family.
     ``supports_mtp``: the checkpoint can carry the Qwen-style MTP head (``models/mtp.py``).
     ``plain_norms``: layer norms multiply by ``w`` (not ``1 + w``), for the seeded init.
+    ``linear_groups_replicate``: under tensor parallelism the linear mixer's key groups may be
+    split or, when the degree exceeds them, replicated (each device the one group its heads
+    read: Mamba2's B / C); otherwise the degree must divide them like any head count.
     Block structure (``models/model.py``'s one loop): ``mixers`` maps a layer type
     (``linear_attention`` / ``full_attention``) to its ``models.mixer_registry.Mixer``; ``norm``
     ``(x, w, eps)`` is every norm of the family; ``ffn(cfg, layer, x, impl, mesh)`` the
@@ -98,6 +101,7 @@ class Family:
     model_types: tuple[str, ...] = ()
     supports_mtp: bool = False
     plain_norms: bool = True
+    linear_groups_replicate: bool = False
     mixers: Mapping[str, Mixer] = {}
     norm: Callable[..., jax.Array]
     ffn: Callable[..., jax.Array]

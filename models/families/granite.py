@@ -103,6 +103,7 @@ class GraniteFamily(Family):
     name = "granitemoehybrid"
     architectures = ("GraniteMoeHybridForCausalLM",)
     model_types = ("granitemoehybrid",)
+    linear_groups_replicate = True
     mixers = {"linear_attention": MIXERS["mamba2"], "full_attention": MIXERS["attention"]}
     norm = staticmethod(rms_norm_plain)
     ffn = staticmethod(granite_ffn)

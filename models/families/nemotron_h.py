@@ -107,6 +107,7 @@ class NemotronHFamily(Family):
     name = "nemotron_h"
     architectures = ("NemotronHForCausalLM",)
     model_types = ("nemotron_h",)
+    linear_groups_replicate = True
     mixers = {"linear_attention": MIXERS["mamba2"], "full_attention": MIXERS["attention"]}
     norm = staticmethod(rms_norm_f32_weight)
     ffn = staticmethod(nemotron_ffn)
