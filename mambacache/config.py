@@ -225,7 +225,9 @@ class ServeConfig:
     with HTTP 503 and ``Retry-After: retry_after_s``. ``tokenizer``: ``"auto"`` (``model.path``'s
     tokenizer.json; the built-in byte-level one for a preset), ``"byte"``, or a directory.
     ``model_name``: ``""`` = the model directory's or the preset's name. ``default_max_tokens``:
-    for requests that give none. ``warmup``: one short generation before ``/health`` says ok.
+    for requests that give none. ``warmup``: compile the step programs of the configuration
+    (``Engine.warmup``, sequences up to ``warmup_max_seq_len`` tokens, 0 = the model's context)
+    before ``/health`` says ok.
     ``api_key``: ``""`` = none; else the bearer key(s), comma-separated, every route but
     ``/health`` needs (401 without). ``isolate_cache_by_key``: each bearer key's requests match
     only prefixes sent with the same key (``cache_salt`` per request splits further).
@@ -239,6 +241,7 @@ class ServeConfig:
     retry_after_s: int = 1
     default_max_tokens: int = 16
     warmup: bool = True
+    warmup_max_seq_len: int = 0
     api_key: str = ""
     isolate_cache_by_key: bool = False
 
@@ -248,7 +251,7 @@ class ServeConfig:
             _require(isinstance(value, str), f"serve.{name} must be a string, got {value!r}")
         _require(isinstance(self.port, int) and 0 < self.port < 65536,
                  f"serve.port must be in [1, 65535], got {self.port!r}")
-        for name in ("max_waiting", "retry_after_s"):
+        for name in ("max_waiting", "retry_after_s", "warmup_max_seq_len"):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                      f"serve.{name} must be an int >= 0, got {value!r}")

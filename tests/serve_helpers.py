@@ -21,7 +21,8 @@ from mambacache.serve.tokenizer import ByteTokenizer
 
 MODEL = "tiny"
 # One configuration for every test server, so that they share compiled programs.
-SERVER = {"scheduler.max_running_requests": 16, "serve.max_waiting": 64}
+SERVER = {"scheduler.max_running_requests": 16, "serve.max_waiting": 64,
+          "serve.warmup_max_seq_len": 64}
 
 
 @dataclasses.dataclass
@@ -58,7 +59,7 @@ def running_server(**overrides: Any) -> Iterator[ServerHandle]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # the warm-up compiles the step programs
         while True:
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -158,11 +160,11 @@ BAD = [  # (body, param, words the message must contain)
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ["greater than or equal to 1"]),
     ({"prompt": "x", "max_tokens": "8"}, "max_tokens", ["integer"]),
     ({"prompt": "x", "top_p": 0}, "top_p", ["greater than 0"]),
-    ({"prompt": "x", "n": 2}, "n", ["less than or equal to 1"]),
+    ({"prompt": "x", "n": 17}, "n", ["less than or equal to 16"]),
     ({"prompt": "x", "logprobs": 21}, "logprobs", ["less than or equal to 20"]),
     ({"prompt": "x", "seed": 2**31}, "seed", ["less than 2147483648"]),
     ({"prompt": ""}, "prompt", ["empty"]),
-    ({"prompt": ["a", "b"]}, "prompt", ["batch of 2", "1 per request"]),
+    ({"prompt": ["a", ""]}, "prompt", ["prompt[1]", "empty"]),
     ({"prompt": [1, 600]}, "prompt", ["600", "[0, 512)"]),
     ({"prompt": "y" * 5000}, "prompt", ["5000", "context length 4096"]),
     ({"prompt": "x", "max_tokens": 5000}, "prompt", ["max_tokens (5000)", "4096"]),
@@ -271,6 +273,44 @@ def test_models_health_and_metrics(srv, client):
     assert itl["mambacache_inter_token_latency_seconds_count"] >= 2
     prompt = fams["mambacache_prompt_tokens"].samples[0].value
     assert prompt >= len("metrics")
+
+
+SLOW_STEP_S = 6.0
+
+
+def test_metrics_health_and_aborts_never_wait_behind_a_step(srv, monkeypatch):
+    """A step that takes SLOW_STEP_S (a long prefill, a compile): /metrics and /health answer
+    within 2 s while it runs, and a client that goes away gives its capacity back at once."""
+    srv.wait_idle()
+    real_run, started = srv.engine.runner.run, threading.Event()
+
+    def slow_run(*args, **kwargs):
+        started.set()
+        time.sleep(SLOW_STEP_S)
+        return real_run(*args, **kwargs)
+
+    srv.on_engine(lambda e: monkeypatch.setattr(e.runner, "run", slow_run))
+    try:
+        body = {"model": MODEL, "prompt": "slow", "max_tokens": 2, "stream": True}
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                assert started.wait(30)
+                t0 = time.monotonic()
+                fams = {f.name for f in text_string_to_metric_families(http.get("/metrics").text)}
+                assert "mambacache_kv_pool_usage" in fams
+                assert http.get("/health").status_code == 200
+                assert time.monotonic() - t0 < 2.0
+                assert srv.server.loop.in_flight == 1
+            # the client went away mid-step: its place is free before the step ends
+            while srv.server.loop.in_flight and time.monotonic() - t0 < 2.0:
+                time.sleep(0.02)
+            assert srv.server.loop.in_flight == 0
+            assert time.monotonic() - t0 < SLOW_STEP_S - 2.0
+    finally:
+        srv.on_engine(lambda e: monkeypatch.setattr(e.runner, "run", real_run))
+    srv.wait_idle()
+    srv.on_engine(lambda e: e.check_integrity())
 
 
 def test_failed_step_is_a_500_and_the_server_goes_on(srv, client, monkeypatch):

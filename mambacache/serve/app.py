@@ -54,7 +54,8 @@ class Server:
         self.metrics = ServerMetrics()
         self.auth = Auth(serve_cfg.api_key, serve_cfg.isolate_cache_by_key)
         self.loop = EngineLoop(engine, max_waiting=self.cfg.max_waiting, observer=self.metrics,
-                               warmup=self.cfg.warmup)
+                               warmup=self.cfg.warmup,
+                               warmup_max_seq_len=self.cfg.warmup_max_seq_len or None)
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -211,7 +212,7 @@ def create_app(engine: Any, tokenizer: Any, serve_cfg: Any, *, model_name: str) 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        snapshot = await server.loop.call(lambda e: e.metrics())
+        snapshot = await server.loop.metrics()  # never waits behind a step
         return Response(server.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -7,9 +7,16 @@ each step the thread hands every live request's new token ids and logprobs to th
 ``RequestOutput`` when it finished.
 
 Invariants: a request is live from its ``add_request`` until the step that finished it or its
-abort, and ``in_flight`` counts the live ones plus those being added; a request is refused
-(``Overloaded``, HTTP 503) when ``in_flight`` would exceed ``max_running_requests +
-max_waiting``. Output ids are only ever appended, so a stream never takes back a token it sent.
+abort, and ``in_flight`` counts the live ones plus those being added, less those whose abort was
+asked for: an abort gives its capacity back at once (``_release``, once per stream), before
+the engine thread frees the request between two steps. A request is refused (``Overloaded``,
+HTTP 503) when ``in_flight`` would exceed ``max_running_requests + max_waiting``. Output ids are
+only ever appended, so a stream never takes back a token it sent.
+
+Nothing the event loop serves waits behind a step: ``/health`` reads ``ready`` (set after the
+warm-up: ``Engine.warmup``, every step program of the configuration compiled), ``metrics()``
+waits ``METRICS_WAIT_S`` for the engine thread and otherwise answers with the snapshot the
+thread leaves after its steps (at most ``SNAPSHOT_EVERY_S`` old when the last step ended).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from mambacache.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 WARMUP_PROMPT = list(range(1, 17))
+METRICS_WAIT_S = 0.5
+SNAPSHOT_EVERY_S = 0.5
 
 
 class Overloaded(Exception):
@@ -54,6 +63,7 @@ class RequestStream:
         self.request_id: int | None = None
         self.submitted_s = time.perf_counter()
         self.sent = 0  # engine thread only: output ids handed over so far
+        self.released = False  # its capacity given back (under EngineLoop._lock)
         self.last_token_s: float | None = None  # engine thread only
 
     def put(self, delta: Delta) -> None:  # from the engine thread
@@ -68,12 +78,16 @@ class EngineLoop:
     ``first_token(s)``, ``inter_token(s)``, ``finished(output, e2e_s)`` from that thread."""
 
     def __init__(self, engine: Any, *, max_waiting: int, observer: Any = None,
-                 warmup: bool = True):
+                 warmup: bool = True, warmup_max_seq_len: int | None = None):
         self.engine = engine
         self.capacity = engine.cfg.scheduler.max_running_requests + max_waiting
         self.observer = observer
         self.warmup = warmup
+        self.warmup_max_seq_len = warmup_max_seq_len
         self.warmup_error: str | None = None
+        self.warmup_report: dict[str, Any] = {}
+        self.snapshot: dict[str, Any] = {}  # the engine's metrics() after a recent step
+        self._snapshot_s = 0.0
         self.ready = threading.Event()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, RequestStream] = {}
@@ -101,6 +115,14 @@ class EngineLoop:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         return await asyncio.wrap_future(self.call_soon(fn))
 
+    async def metrics(self) -> dict[str, Any]:
+        """``Engine.metrics()`` fresh if the engine thread answers within ``METRICS_WAIT_S``,
+        else (a step or the warm-up running) the last snapshot; never waits for a step."""
+        try:
+            return await asyncio.wait_for(self.call(lambda e: e.metrics()), METRICS_WAIT_S)
+        except TimeoutError:  # the command was cancelled with its future: it will not run
+            return self.snapshot
+
     async def submit(self, prompt: Sequence[int], params: SamplingParams,
                      extra_key: str | None = None) -> RequestStream:
         """Queue a request (``extra_key``: its cache namespace); ``ValueError`` (bad input,
@@ -121,20 +143,26 @@ class EngineLoop:
         return stream
 
     def abort(self, stream: RequestStream) -> None:
-        """Stop ``stream``'s request and free what it holds (no-op once it finished)."""
+        """Stop ``stream``'s request: its capacity now, what the engine holds between two steps
+        (no-op once it finished)."""
+        self._release(stream)
         self.call_soon(lambda e: self._abort(e, stream))
 
-    # ---- the engine thread -----------------------------------------------------------------
-    def _release(self) -> None:
+    def _release(self, stream: RequestStream) -> None:
+        """Give ``stream``'s place back (any thread; once per stream)."""
         with self._lock:
-            self.in_flight -= 1
+            if not stream.released:
+                stream.released = True
+                self.in_flight -= 1
+
+    # ---- the engine thread -----------------------------------------------------------------
 
     def _add(self, engine: Any, stream: RequestStream, prompt: Sequence[int],
              params: SamplingParams, extra_key: str | None) -> None:
         try:
             stream.request_id = engine.add_request(prompt, params, extra_key=extra_key)
         except BaseException:
-            self._release()  # here, not in ``submit``: its caller may be gone
+            self._release(stream)  # here, not in ``submit``: its caller may be gone
             raise
         self._live[stream.request_id] = stream
 
@@ -142,7 +170,7 @@ class EngineLoop:
         if self._live.pop(stream.request_id, None) is None:
             return
         out = engine.abort(stream.request_id)
-        self._release()
+        self._release(stream)
         if self.observer is not None and out is not None:
             self.observer.finished(out, time.perf_counter() - stream.submitted_s)
 
@@ -163,25 +191,41 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _warm_up(self) -> None:
+        """Compile the configuration's step programs (``Engine.warmup``; an engine without it
+        runs one short generation), then take the first metrics snapshot."""
+        t = time.perf_counter()
+        try:
+            if hasattr(self.engine, "warmup"):
+                self.warmup_report = self.engine.warmup(self.warmup_max_seq_len)
+            else:
+                self.engine.generate([WARMUP_PROMPT], SamplingParams(max_new_tokens=2))
+        except Exception as err:  # noqa: BLE001 - reported by /health, then served anyway
+            log.exception("warm-up failed")
+            self.warmup_error = f"{type(err).__name__}: {err}"
+        log.info("warm-up done in %.1f s: %s", time.perf_counter() - t, self.warmup_report)
+
     def _run(self) -> None:
         if self.warmup:
-            t = time.perf_counter()
-            try:
-                self.engine.generate([WARMUP_PROMPT], SamplingParams(max_new_tokens=2))
-            except Exception as err:  # noqa: BLE001 - reported by /health, then served anyway
-                log.exception("warm-up failed")
-                self.warmup_error = f"{type(err).__name__}: {err}"
-            log.info("warm-up done in %.1f s", time.perf_counter() - t)
+            self._warm_up()
+        self._take_snapshot(force=True)
         self.ready.set()
         while not self._stop:
             try:
                 self._drain(block=not self.engine.has_unfinished())
                 if self._stop or not self.engine.has_unfinished():
                     continue
-                self._publish(self.engine.step())
+                finished = self.engine.step()
+                self._publish(finished)
+                self._take_snapshot(force=bool(finished))
             except Exception as err:  # noqa: BLE001 - fail the live requests, keep serving
                 log.exception("engine loop failed")
                 self._fail_all(err)
+
+    def _take_snapshot(self, force: bool) -> None:
+        now = time.perf_counter()
+        if force or now - self._snapshot_s >= SNAPSHOT_EVERY_S:
+            self.snapshot, self._snapshot_s = self.engine.metrics(), now
 
     def _publish(self, finished: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -200,7 +244,7 @@ class EngineLoop:
                 stream.sent = len(ids)
             if out is not None:
                 del self._live[rid]
-                self._release()
+                self._release(stream)
                 if self.observer is not None:
                     self.observer.finished(out, now - stream.submitted_s)
 
@@ -223,7 +267,7 @@ class EngineLoop:
                 log.exception("abort of request %d failed", rid)
             stream.put(Delta([], [], 0, out))
             del self._live[rid]
-            self._release()
+            self._release(stream)
 
     def live_requests(self) -> int:
         return len(self._live)
