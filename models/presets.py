@@ -26,6 +26,8 @@ REAL_PRESETS: dict[str, str] = {
     "qwen3_next_80b_a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
     "qwen3_5_9b": "Qwen/Qwen3.5-9B",
     "qwen3_5_35b_a3b": "Qwen/Qwen3.5-35B-A3B",
+    "qwen3_5_122b_a10b": "Qwen/Qwen3.5-122B-A10B",
+    "qwen3_5_397b_a17b": "Qwen/Qwen3.5-397B-A17B",
     "nemotron_h_8b": "nvidia/Nemotron-H-8B-Base-8K",
     "nemotron_h_47b": "nvidia/Nemotron-H-47B-Base-8K",
     "nemotron_h_56b": "nvidia/Nemotron-H-56B-Base-8K",

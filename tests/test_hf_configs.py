@@ -28,6 +28,7 @@ FAMILY_OF_DEFAULT = {"Qwen3NextConfig": "qwen3_next", "Qwen3_5TextConfig": "qwen
 # published total parameters (billions) of the text model, MTP head excluded; a tied
 # embedding counts twice in our layout (lm_head is its own array)
 PUBLISHED_B = {"qwen3_next_80b_a3b": 80, "qwen3_5_9b": 9, "qwen3_5_35b_a3b": 35,
+               "qwen3_5_122b_a10b": 122, "qwen3_5_397b_a17b": 397,
                "nemotron_h_8b": 8, "nemotron_h_47b": 47, "nemotron_h_56b": 56,
                "nemotron_3_nano_30b_a3b": 31.6, "granite_4_0_h_micro": 3.2 + 0.2,
                "granite_4_0_h_tiny": 6.9 + 0.15, "granite_4_0_h_small": 32.2 + 0.4,
