@@ -3,7 +3,8 @@
 CI (no marker): every family kernel has a gate case, and the bundle-dump reader counts loops
 right on a synthetic dump. Behind ``-m aot`` (needs the ``aot`` extra: libtpu, triton; minutes):
 ``python -m pallas_kernels.aot`` compiles every kernel for v5e / v6e (fp32, bf16) and sm_90 at
-the tiny and Qwen3-Next sizes, and the model's whole step compiles for TPU in bf16::
+the tiny and Qwen3-Next sizes and each family's kernels at Nemotron-H-47B, Granite 4.0-H Small and
+Kimi-Linear-48B sizes, and the model's whole step compiles for TPU in bf16::
 
     pytest -q -m aot tests/test_aot.py
 """
@@ -52,6 +53,37 @@ def test_bundles_are_reported_per_chunk_for_multi_chunk_steps():
     row = dict(target="v5e:2x2", case="gdr_extend", size="tiny", dtype="float32", ok=True,
                bundles={"gdr_chunk_call.1": 100 * n}, chunks_per_step=n)
     assert f"{100 * n} bundles/step = 100 per (chunk, head), {n} chunks/step" in format_row(row)
+
+
+def test_family_sizes_run_only_that_familys_kernels():
+    from pallas_kernels.aot.cases import CASES, SIZES
+    from pallas_kernels.aot.gate import run
+
+    assert SIZES["nemotron_h"].runs("ssd_extend") and not SIZES["nemotron_h"].runs("gdr_extend")
+    assert SIZES["kimi_linear"].runs("mla_attention_decode")
+    assert not SIZES["kimi_linear"].runs("paged_attention")
+    assert all(SIZES["qwen3_next"].runs(c) for c in CASES)
+    seen = []
+    rows = run(["v5e:2x2"], ["gdr_extend", "ssd_decode"], ["nemotron_h"], ["float32"],
+               echo=seen.append, case_runner=lambda t, c, sz, d, _: dict(
+                   target=t, case=c, size=sz, dtype=d, ok=True))
+    assert [r["case"] for r in rows] == ["ssd_decode"] and len(seen) == 1
+
+
+@pytest.mark.aot
+def test_family_real_sizes_compile_for_v5e_v6e_and_sm90(tmp_path):
+    out = tmp_path / "gate.json"
+    proc = subprocess.run([sys.executable, "-m", "pallas_kernels.aot", "--sizes",
+                           "nemotron_h,granite_4_h,kimi_linear", "--json", str(out)],
+                          capture_output=True, text=True, timeout=5400)
+    rows = json.loads(out.read_text())
+    failed = [(r["target"], r["size"], r["dtype"], r["case"], r["error"])
+              for r in rows if not r["ok"]]
+    assert failed == [] and proc.returncode == 0, (failed, proc.stdout[-2000:])
+    assert len(rows) == 3 * 3 * 2 * 6  # targets x sizes x dtypes x the family's 6 cases
+    for r in rows:
+        if r["target"] == "sm_90" and not r.get("absent"):
+            assert r["kernels"] and all(k["registers"] > 0 for k in r["kernels"]), r
 
 
 @pytest.mark.aot

@@ -13,7 +13,8 @@ Sizes (``SIZES``): ``tiny`` is the tiny presets' mixer shapes, ``qwen3_next`` Qw
 value heads and head dims of the linear attention; SSD (Mamba2) sizes at the larger geometries
 are Nemotron-H's (128 heads of 64, state 128, 8 groups), MLA sizes Kimi Linear's (32 query
 heads over latent rows of ``kv_lora_rank`` 512 + rope 64; tiny: ``tiny_kimi_linear``'s 4 heads,
-32 + 8).
+32 + 8). The family sizes ``nemotron_h`` (Nemotron-H-47B), ``granite_4_h`` (Granite 4.0-H Small)
+and ``kimi_linear`` (Kimi-Linear-48B-A3B) run only that family's kernels (``Sizes.cases``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class Sizes:
     mla_heads: int = 4        # MLA: query heads, latent (kv_lora_rank) and rope widths of a row
     kv_lora_rank: int = 32
     qk_rope_dim: int = 8
+    cases: tuple[str, ...] = ()  # case-name prefixes run at this size (empty: every case)
+
+    def runs(self, case_name: str) -> bool:
+        """Whether the gate compiles ``case_name`` at these sizes (a family's own kernels)."""
+        return not self.cases or case_name.startswith(self.cases)
 
     @property
     def conv_channels(self) -> int:
@@ -74,6 +80,28 @@ SIZES: dict[str, Sizes] = {
                      kv_heads=2, head_dim=256, page_size=16, max_context=4096,
                      ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=8,
                      mla_heads=32, kv_lora_rank=512, qk_rope_dim=64),
+    # One family's real sizes: only the kernels that family runs (its mixer, the conv, its
+    # attention). Nemotron-H-47B: SSD 256 heads of 64, state 256, 8 groups (conv x|B|C 20480);
+    # 64 query / 8 KV heads of 128, context 8192.
+    "nemotron_h": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64, key_heads=8,
+                        value_heads=256, head_k=256, head_v=64, conv_kernel=4, q_heads=64,
+                        kv_heads=8, head_dim=128, page_size=16, max_context=8192,
+                        ssd_heads=256, ssd_head_dim=64, ssd_state=256, ssd_groups=8,
+                        cases=("ssd", "conv", "paged_attention")),
+    # Granite 4.0-H Small: SSD 128 heads of 64, state 128, ONE group (conv 8448); 32 / 8 heads
+    # of 128.
+    "granite_4_h": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64,
+                         key_heads=1, value_heads=128, head_k=128, head_v=64, conv_kernel=4,
+                         q_heads=32, kv_heads=8, head_dim=128, page_size=16, max_context=4096,
+                         ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=1,
+                         cases=("ssd", "conv", "paged_attention")),
+    # Kimi-Linear-48B-A3B: KDA 32 heads of 128 (conv q|k|v 12288); MLA 32 heads over latent
+    # rows of 512 + 64.
+    "kimi_linear": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64,
+                         key_heads=32, value_heads=32, head_k=128, head_v=128, conv_kernel=4,
+                         q_heads=32, kv_heads=32, head_dim=192, page_size=16, max_context=4096,
+                         mla_heads=32, kv_lora_rank=512, qk_rope_dim=64,
+                         cases=("kda", "conv", "mla")),
 }
 
 Builder = Callable[[Sizes, jnp.dtype], tuple[tuple, dict]]
