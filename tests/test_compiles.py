@@ -37,8 +37,10 @@ def test_program_set_is_finite_and_covers_every_step_shape():
     b = Buckets(page_size=1, max_seqs=16, max_seq_len=440, max_step_tokens=528,
                 max_snapshots=34)
     shapes = b.program_set()
-    assert sum(s.decode for s in shapes) == 3 * 4  # widths 4, 8, 16 x pages 64 .. 512
-    assert [s.num_tokens for s in shapes if not s.decode] == [16, 32, 64, 128, 256, 512, 1024]
+    assert b.page_ladder() == [128, 512]
+    assert sum(s.decode for s in shapes) == 3 * 2  # widths 4, 8, 16 x pages 128, 512
+    extend = sorted({s.num_tokens for s in shapes if not s.decode})
+    assert extend == [16, 32, 64, 128, 256, 512, 1024] and len(shapes) == 6 + 7 * 2
     rng = np.random.default_rng(0)
     for _ in range(200):  # random steps within the bounds land in the set
         n = int(rng.integers(1, 17))

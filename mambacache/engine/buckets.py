@@ -3,22 +3,25 @@
 A jitted step compiles once per ``StepShape`` (with the pools' shapes, fixed per engine). The
 rules keep the set small and known for a configuration (``Buckets.program_set``):
 
+* **pages per sequence** ``P``: a ladder anchored at ``max_pages`` (the bucket of
+  ``max_seq_len``) that divides by ``PAGE_STEP`` (4) down to ``MIN_PAGE_BUCKET``: 4096 pages
+  give 64, 256, 1024, 4096. Attention over the padded page table costs up to 4x the pages held
+  on the CPU reference (it gathers all P; fixing P at ``max_pages`` made an 8-request 60-token
+  generate 10x slower at context 4096), and the ladder has half the rungs of powers of two.
 * **decode** (every row one token, no snapshot target): the width ``B`` follows the running
   batch on a ladder of powers of two from ``MIN_SEQ_BUCKET`` up to ``max_seqs`` (a decode of 3
-  requests computes 4 rows when 64 may run); pages per sequence ``P`` on a ladder of powers of
-  two from ``MIN_PAGE_BUCKET``; ``T = L = B``; snapshots fixed at ``MIN_SNAPSHOT_BUCKET``.
-* **extend** (anything else): ``B = L = max_seqs`` and ``P = max_pages`` (the bucket of
-  ``max_seq_len``) are fixed, so only the packed tokens ``T`` vary, on a ladder of powers of
-  two from ``MIN_TOKEN_BUCKET`` up to ``max_step_tokens`` (``chunked_prefill_size`` plus one
-  row of 1 + drafts per running request); snapshots ``S = min(T, max_snapshots)`` (at least
-  ``MIN_SNAPSHOT_BUCKET``): a step's snapshots are distinct offsets of its rows, so never more
-  than its tokens. [speculative] verify rows take ``L`` > ``B`` logits rows: a ladder up to
-  ``max_logit_rows``.
+  requests computes 4 rows when 64 may run); ``T = L = B``; snapshots ``MIN_SNAPSHOT_BUCKET``.
+* **extend** (anything else): ``B = L = max_seqs`` is fixed, so only the packed tokens ``T``
+  (powers of two from ``MIN_TOKEN_BUCKET`` up to ``max_step_tokens``: ``chunked_prefill_size``
+  plus one row of 1 + drafts per running request) and ``P`` vary; snapshots
+  ``S = min(T, max_snapshots)`` (at least ``MIN_SNAPSHOT_BUCKET``): a step's snapshots are
+  distinct offsets of its rows, so never more than its tokens. [speculative] verify rows take
+  ``L`` > ``B`` logits rows: a ladder up to ``max_logit_rows``.
 
-So the set is ``widths x page ladder`` decode programs plus ``token ladder`` (x logits ladder)
-extend programs. A step outside it (a sequence longer than ``max_seq_len``, more snapshots than
-``S``) still runs, on the next power of two: that program is not in the warmed set and counts as
-a compile (``engine/compiles.py``). Host only (no JAX).
+So the set is ``(widths + token ladder (x logits ladder)) x page ladder`` programs. A step
+outside it (a sequence longer than ``max_seq_len``, more snapshots than ``S``) still runs, on the
+next power of two: that program is not in the warmed set and counts as a compile
+(``engine/compiles.py``). Host only (no JAX).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 64
 MIN_SNAPSHOT_BUCKET = 8
 MIN_SEQ_BUCKET = 4  # decode widths: 4, 8, 16, ... up to max_running_requests (rounded up)
+PAGE_STEP = 4  # pages per sequence: max_pages, max_pages / 4, ... down to MIN_PAGE_BUCKET
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -93,6 +97,18 @@ class Buckets:
     def max_pages(self) -> int:
         return bucket(-(-self.max_seq_len // self.page_size), MIN_PAGE_BUCKET)
 
+    def page_ladder(self) -> list[int]:
+        """``max_pages`` divided by ``PAGE_STEP`` while at least ``MIN_PAGE_BUCKET``, ascending."""
+        out, n = [], self.max_pages
+        while n >= MIN_PAGE_BUCKET:
+            out.append(n)
+            n //= PAGE_STEP
+        return out[::-1]
+
+    def pages_for(self, pages: int) -> int:
+        """The smallest rung holding ``pages`` (past ``max_pages``: the next power of two)."""
+        return next((p for p in self.page_ladder() if p >= pages), bucket(pages, 1))
+
     def widths(self) -> list[int]:
         return sorted({min(w, self.max_seqs) for w in ladder(MIN_SEQ_BUCKET, self.max_seqs)})
 
@@ -110,8 +126,8 @@ class Buckets:
 
     def shape(self, seqs: Sequence[SeqSpec], decode: bool, logit_rows: int) -> StepShape:
         """The shape ``seqs`` run at (``decode``: ``step_plan.is_decode_step``)."""
-        pages = bucket(max(-(-(s.prefix_len + len(s.tokens)) // self.page_size) for s in seqs),
-                       MIN_PAGE_BUCKET)
+        pages = self.pages_for(max(-(-(s.prefix_len + len(s.tokens)) // self.page_size)
+                                   for s in seqs))
         if decode:
             width = min(bucket(len(seqs), MIN_SEQ_BUCKET), self.max_seqs)
             return StepShape(True, width, width, pages, MIN_SNAPSHOT_BUCKET, width)
@@ -119,13 +135,13 @@ class Buckets:
         snaps = max(self.snapshots_for(tokens),
                     bucket(sum(len(s.snapshots) for s in seqs), MIN_SNAPSHOT_BUCKET))
         logits = self.max_seqs if logit_rows <= self.max_seqs else bucket(logit_rows, 1)
-        return StepShape(False, tokens, self.max_seqs, max(pages, self.max_pages), snaps,
-                         logits)
+        return StepShape(False, tokens, self.max_seqs, pages, snaps, logits)
 
     def program_set(self) -> list[StepShape]:
         """Every shape a step of at most ``max_seq_len`` tokens per sequence can take."""
+        pages = self.page_ladder()
         decode = [StepShape(True, w, w, p, MIN_SNAPSHOT_BUCKET, w) for w in self.widths()
-                  for p in ladder(MIN_PAGE_BUCKET, self.max_pages)]
-        extend = [StepShape(False, t, self.max_seqs, self.max_pages, self.snapshots_for(t),
-                            n) for t in self.token_ladder() for n in self.logit_ladder()]
+                  for p in pages]
+        extend = [StepShape(False, t, self.max_seqs, p, self.snapshots_for(t), n)
+                  for t in self.token_ladder() for n in self.logit_ladder() for p in pages]
         return decode + extend
