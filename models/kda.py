@@ -24,6 +24,17 @@ from models.mixers import short_conv
 from pallas_kernels import ops
 
 
+def kda_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of one KDA layer (``models/families/kimi_linear.py`` documents them)."""
+    h, hl, d = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    return {
+        "in_proj": (h, hl * 3 * d), "conv_w": (cfg.linear_conv_kernel_dim, hl * 3 * d),
+        "f_a": (h, d), "f_b": (d, hl * d), "dt_bias": (hl, d), "A_log": (hl,),
+        "b_proj": (h, hl), "g_a": (h, d), "g_b": (d, hl * d), "norm": (d,),
+        "out_proj": (hl * d, h),
+    }
+
+
 def kda_gates(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array):
     """x ``[T, H]`` -> (g ``[T, Hl, D]`` f32 log decay, beta ``[T, Hl]`` f32), as transformers'
     ``KimiLinearForgetGate`` (softplus ``log(1 + exp)``, identity above 20) and ``b_proj``."""

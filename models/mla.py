@@ -29,6 +29,16 @@ from pallas_kernels import ops
 KV_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm with its default eps
 
 
+def mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of one MLA layer (``models/families/kimi_linear.py`` documents them)."""
+    h, hq, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    return {
+        "q_proj": (h, hq * (dn + dr)), "kv_a": (h, r + dr), "kv_norm": (r,),
+        "k_up": (hq, r, dn), "v_up": (hq, r, dv), "o_proj": (hq * dv, h),
+    }
+
+
 def mla_attention_layer(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array,
                         latent_pages: jax.Array, batch: Any, *, impl: str,
                         mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:

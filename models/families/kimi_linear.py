@@ -52,8 +52,10 @@ import numpy as np
 
 from models.families.base import Family, check_mixer_and_mlp_everywhere, require
 from models.hf_tensors import swiglu_t
+from models.kda import kda_shapes
 from models.layers import rms_norm_plain
 from models.mixer_registry import MIXERS
+from models.mla import mla_shapes
 from models.moe import mlp_block
 from models.safetensors_io import TensorSource
 
@@ -177,25 +179,6 @@ def _validate(cfg: ModelConfig) -> None:
                 f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds the experts of "
                 f"topk_group ({cfg.topk_group}) groups of {e // g}")
     check_mixer_and_mlp_everywhere(cfg)
-
-
-def kda_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, hl, d = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    return {
-        "in_proj": (h, hl * 3 * d), "conv_w": (cfg.linear_conv_kernel_dim, hl * 3 * d),
-        "f_a": (h, d), "f_b": (d, hl * d), "dt_bias": (hl, d), "A_log": (hl,),
-        "b_proj": (h, hl), "g_a": (h, d), "g_b": (d, hl * d), "norm": (d,),
-        "out_proj": (hl * d, h),
-    }
-
-
-def mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, hq, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    return {
-        "q_proj": (h, hq * (dn + dr)), "kv_a": (h, r + dr), "kv_norm": (r,),
-        "k_up": (hq, r, dn), "v_up": (hq, r, dv), "o_proj": (hq * dv, h),
-    }
 
 
 def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
