@@ -200,9 +200,12 @@ class Lease:
     def row_snapshots(self, start: int, end: int) -> list[tuple[int, int]]:
         """The planned snapshots a row over ``(start, end]`` writes, sorted (position, slot);
         marks them in flight. Mutates ``snapshots_in_flight``."""
-        planned = [(pos, slot) for pos, slot in sorted(self.pending_snapshots.items())
+        if not self.pending_snapshots:
+            return []
+        planned = [(pos, slot) for pos, slot in self.pending_snapshots.items()
                    if start < pos <= end]
         if planned:
+            planned.sort()
             self.snapshots_in_flight.update(pos for pos, _ in planned)
         return planned
 

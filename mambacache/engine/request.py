@@ -102,9 +102,8 @@ class Request:
     #: the prompt's int32 bytes (prefix comparisons by slicing, without numpy calls)
     prompt_bytes = _PromptBytes()
 
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt)  # read per row of every step: an attribute
 
     @property
     def token_ids(self) -> np.ndarray:

@@ -41,6 +41,10 @@ from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
 __all__ = ["ScheduledSeq", "Scheduler"]
 
+#: [overlap] the extend of a decode row whose token is still on the device (read only)
+_PLACEHOLDER = np.zeros(1, np.int32)
+_PLACEHOLDER.flags.writeable = False
+
 
 class Scheduler:
     """Policy: the queues, the token budget, preemption. Cache state changes go through each
@@ -83,12 +87,16 @@ class Scheduler:
         # so a page-boundary decode keeps the decode program.
         snaps = [(pos - start, slot) for pos, slot in planned
                  if not (pos == end and slot == s.write_slot)]
-        tokens, prev = req.token_slice(start, end), -1
-        if start + len(tokens) < end:  # [overlap] the last token is still on the device
-            if req.num_pending != 1 or start + len(tokens) + 1 != end:
+        known = req.prompt_len + len(req.output_ids)
+        if end <= known:
+            tokens, prev = req.token_slice(start, end), -1
+        else:  # [overlap] the last token is still on the device: a placeholder
+            if req.num_pending != 1 or known + 1 != end:
                 raise AssertionError(f"request {req.request_id}: row [{start}, {end}) needs "
                                      f"{req.num_pending} pending tokens")
-            tokens, prev = np.append(tokens, np.int32(0)), req.pending_row
+            tokens = _PLACEHOLDER if start == known else np.append(
+                req.token_slice(start, known), np.int32(0))
+            prev = req.pending_row
         return SeqSpec(tokens=tokens, prefix_len=start, page_ids=lease.page_ids,
                        prev_index=prev, read_slot=lease.next_read_slot, write_slot=s.write_slot,
                        snapshots=snaps)
