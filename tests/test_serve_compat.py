@@ -167,3 +167,90 @@ def test_info_routes_and_head(srv, client):
         assert head.content == b"" and head.headers["content-type"] == \
             get.headers["content-type"], path
     assert httpx.head(f"{srv.url}/generate").status_code == 405
+
+
+def test_top_logprobs_and_echo_prompt_logprobs(srv, client):
+    """Top alternatives per token; echo's prompt logprobs equal the sampler's logprobs of the
+    same tokens and do not change when the prompt is served from the cache (issue 31 item 2)."""
+    prompt = srv.tokenizer.encode("Score these tokens, cached or not.")
+    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=3,
+                                    **greedy)
+    lp = gen.choices[0].logprobs
+    out_ids = gen.choices[0].token_ids
+    # a dict by token text: the byte tokenizer's undecodable ids share a text, so <= 3 keys
+    assert len(lp.top_logprobs) == 4 and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value >= max(top.values()) - 1e-4  # greedy: the top-1 (keys may collide)
+    assert gen.usage.prompt_tokens_details.scored_tokens == len(prompt) + 4
+    sampler = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=0,
+                                        **greedy).choices[0].logprobs.token_logprobs
+    assert lp.token_logprobs == pytest.approx(sampler, abs=1e-4)
+
+    def echo(ids):
+        return client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True,
+                                         logprobs=1, **greedy)
+
+    full = prompt + out_ids
+    e = echo(full)  # the generation cached prompt + output: a hit
+    token_lps = e.choices[0].logprobs.token_logprobs
+    assert len(token_lps) == len(full) + 1 and token_lps[0] is None
+    assert e.choices[0].logprobs.top_logprobs[0] is None
+    assert e.choices[0].text.startswith(srv.tokenizer.decode(full))
+    assert token_lps[len(prompt):len(full)] == pytest.approx(sampler, abs=1e-4)
+    fresh = srv.tokenizer.encode("A fresh prompt that nobody has sent before.")
+    cold, warm = echo(fresh), echo(fresh)  # the second is served from the cache
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == len(fresh) - 1
+    a, b = (x.choices[0].logprobs.token_logprobs for x in (cold, warm))
+    assert a[0] is None and b[0] is None
+    assert a[1:] == pytest.approx(b[1:], abs=1e-4)
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "top"}], max_tokens=3, logprobs=True,
+        top_logprobs=5, **greedy)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 5 for c in content)
+    assert all(c.top_logprobs[0].token == c.token for c in content)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.completions.create(model=MODEL, prompt="x", logprobs=2, stream=True)
+    srv.wait_idle()
+    srv.on_engine(lambda e: e.check_integrity())
+
+
+def test_n_choices_share_the_prompt_with_per_choice_seeds(srv, client):
+    prompt = srv.tokenizer.encode("Four samples of one prompt, computed once. " * 3)
+    kw = dict(model=MODEL, max_tokens=5, temperature=1.0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    srv.wait_idle()
+    before = srv.on_engine(lambda e: e.metrics()["computed_prefill_tokens"])
+    out = client.completions.create(prompt=prompt, n=4, seed=7, **kw)
+    computed = srv.on_engine(lambda e: e.metrics()["computed_prefill_tokens"]) - before
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    ids = [c.token_ids for c in out.choices]
+    assert len({tuple(i) for i in ids}) > 1  # per-choice seeds: the samples differ
+    assert computed <= len(prompt) + 3, computed  # the prompt once; a sample recomputes <= 1
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 20)
+    again = client.completions.create(prompt=prompt, n=4, seed=7, **kw)
+    assert [c.token_ids for c in again.choices] == ids
+    third = client.completions.create(prompt=prompt, seed=9, **kw)  # choice 2's seed: 7 + 2
+    assert third.choices[0].token_ids == ids[2]
+
+    batch = client.completions.create(prompt=[prompt, prompt[:20]], n=2, seed=7, **kw)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in batch.choices[:2]] == ids[:2]
+    assert batch.usage.prompt_tokens == len(prompt) + 20
+
+    chunks = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "n streams"}], n=2, seed=3, stream=True,
+        stream_options={"include_usage": True}, **kw))
+    streamed = {0: [], 1: []}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += getattr(choice, "token_ids", None) or []
+    whole = client.chat.completions.create(
+        messages=[{"role": "user", "content": "n streams"}], n=2, seed=3, **kw)
+    assert [streamed[0], streamed[1]] == [c.token_ids for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == 10
+    srv.wait_idle()
+    srv.on_engine(lambda e: e.check_integrity())

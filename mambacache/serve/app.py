@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mambacache.engine.sampling_params import SamplingParams
-from mambacache.serve import sglang_api
+from mambacache.serve import choices, sglang_api
 from mambacache.serve.auth import Auth
 from mambacache.serve.engine_loop import EngineLoop, Overloaded
 from mambacache.serve.generation import ClientGone, Generation
@@ -33,6 +33,7 @@ from mambacache.serve.protocol import (
     single_prompt,
 )
 from mambacache.serve.responses import ResponseShape, chat_logprobs, completion_logprobs, sse
+from mambacache.serve.scored_logprobs import scored_response, scoring_request
 from mambacache.serve.tokenizer import encode_chat
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the answer
@@ -95,10 +96,13 @@ class Server:
     async def generate(self, http: Request, chat: bool) -> Response:
         req = parse_request(await http.body(), ChatRequest if chat else CompletionRequest)
         ignored = note_ignored(req)  # unknown fields: logged once per name, listed in a header
+        top_n, echo = scoring_request(req, chat)  # top logprobs / echo: scored_logprobs.py
         if req.model is not None and req.model != self.model_name:
             raise ApiError(f"model {req.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", status=404,
                            code="model_not_found")
+        if choices.is_multi(req):  # n > 1 or several prompts: choices.py
+            return await choices.generate(self, http, req, chat, ignored, top_n, echo)
         params = self.sampling(req, chat)
         prompt_ids = self.prompt_ids(req)
         namespace = self.auth.cache_namespace(http.headers.get("authorization"), req.cache_salt)
@@ -119,6 +123,9 @@ class Server:
                          prompt_ids=prompt_ids,
                          is_disconnected=None if req.stream else http.is_disconnected)
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        if top_n or echo:
+            return JSONResponse(await scored_response(self, gen, shape, chat, top_n, echo),
+                                headers=ignored)
         if req.stream:
             return StreamingResponse(self._events(gen, shape, chat, want_lp, req.include_usage()),
                                      media_type="text/event-stream", headers=ignored)

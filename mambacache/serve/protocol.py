@@ -3,8 +3,9 @@ OpenAI-shaped HTTP 400 bodies that name the field and the limit.
 
 Every field the server reads is declared here, with the engine's
 bounds (``engine/sampling_params.py``), so a request the protocol accepts always packs. Fields
-OpenAI has but the engine cannot honour are accepted only at their neutral value (``n`` = 1,
-``echo`` = false, zero penalties, no top-k alternatives in logprobs), any other value is a 400.
+OpenAI has but the engine cannot honour are accepted only at their neutral value (zero
+penalties), any other value is a 400. Top logprobs (up to ``TOP_LOGPROBS_LIMIT``) and
+``echo`` are served by ``scored_logprobs.py``.
 Unknown fields are kept aside (``extra="allow"``), never a 400: ``lenient.py`` logs them once
 per name and the response lists them in a header.
 """
@@ -24,6 +25,8 @@ from mambacache.engine.sampling_params import (
 )
 
 MAX_STOP_STRINGS = 16
+TOP_LOGPROBS_LIMIT = 20  # OpenAI's; engine/scoring.py MAX_TOP_N
+N_LIMIT = 16  # choices per prompt
 
 
 class ApiError(Exception):
@@ -65,7 +68,7 @@ class _Sampling(_Strict):
     top_k: int = Field(default=0, ge=-1, le=TOP_K_LIMIT)
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=N_LIMIT)  # n > 1: choices.py
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
@@ -95,8 +98,8 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=0)
-    echo: Literal[False] = False
+    logprobs: int | None = Field(default=None, ge=0, le=TOP_LOGPROBS_LIMIT)
+    echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=1)
 
 
@@ -122,7 +125,7 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=TOP_LOGPROBS_LIMIT)
 
 
 def _param(loc: tuple[Any, ...]) -> str:

@@ -85,6 +85,7 @@ class GenerateRequest(_Strict):
     stream: bool = False
     return_logprob: bool = False
     rid: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def prompts(self, tokenizer: Any) -> tuple[list[list[int]], bool]:
         """Token ids of each prompt, and whether the request was a batch."""
@@ -119,10 +120,14 @@ def sampling_params(server: Any, sp: SglSampling) -> SamplingParams:
                           stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=sp.ignore_eos)
 
 
-async def submit(server: Any, prompt: list[int], params: SamplingParams, param: str) -> Any:
-    """Queue one prompt on the engine loop: 503 when full, 400 naming ``param`` when refused."""
+async def submit(server: Any, prompt: list[int], params: SamplingParams, param: str,
+                 namespace: str | None = None) -> Any:
+    """Queue one prompt on the engine loop (``namespace``: its cache namespace, the tenant /
+    ``cache_salt`` key): 503 when full, 400 naming ``param`` when refused."""
     try:
-        return await server.loop.submit(prompt, params)
+        if namespace is None:
+            return await server.loop.submit(prompt, params)
+        return await server.loop.submit(prompt, params, namespace)
     except Overloaded as err:
         server.metrics.rejected.labels("overloaded").inc()
         raise ApiError(f"{err}; retry after {server.cfg.retry_after_s} s", status=503,
@@ -180,11 +185,14 @@ async def _start(server: Any, http: Request, req: GenerateRequest
     prompts, batch = req.prompts(server.tokenizer)
     params = sampling_params(server, req.sampling_params)
     base = req.rid or secrets.token_hex(12)
+    auth = getattr(server, "auth", None)  # tenants and cache_salt keep prefixes apart
+    namespace = None if auth is None else auth.cache_namespace(
+        http.headers.get("authorization"), req.cache_salt)
     results = []
     for i, prompt in enumerate(prompts):
         param = "input_ids" if req.text is None else "text"
         try:
-            stream = await submit(server, prompt, params, param)
+            stream = await submit(server, prompt, params, param, namespace)
         except ApiError:
             for r in results:  # nothing of a refused batch is left running
                 server.loop.abort(r.gen.stream)
