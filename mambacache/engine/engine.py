@@ -87,8 +87,15 @@ class Engine:
 
             device_budget = device_cache_budget(cfg, self.model_cfg, params,
                                                 self.mesh or make_mesh(1))
+        sizes = None  # per device: tensor parallelism shards the pools' rows
+        if self.mesh is not None and cfg.cache.has_budget:
+            from mambacache.parallel.sizing import unit_bytes
+
+            slot_b, page_b = unit_bytes(self.model_cfg, self.mesh, cfg.cache.page_size,
+                                        model_dtype(cfg))
+            sizes = (slot_b, -(-page_b // cfg.cache.page_size))
         self.cfg = cfg = size_pools(cfg, self.model_cfg, memory_bytes=device_budget,
-                                    physical=True)[0]
+                                    physical=True, device_sizes=sizes)[0]
         mtp = cfg.speculative.method == "mtp"
         if mtp and "mtp" not in params:
             raise ValueError("speculative.method 'mtp' needs a model with an MTP head: "

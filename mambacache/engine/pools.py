@@ -141,14 +141,17 @@ def model_byte_sizes(cfg: Any, model_cfg: Any) -> tuple[int, int]:
 
 
 def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
-               physical: bool = False, context_len: int | None = None) -> tuple[Any, Any]:
+               physical: bool = False, context_len: int | None = None,
+               device_sizes: tuple[int, int] | None = None) -> tuple[Any, Any]:
     """``(cfg, plan)``: ``cfg`` with the cache section's pools derived from its byte budget
     (``cache/budget.py``: ``plan_pools``) and the byte sizes filled in; unchanged without a
     budget. ``memory_bytes``: the budget when the config gives a fraction (measured on the
     device: ``parallel.sizing.device_cache_budget``). ``physical``: pools that are device
     arrays (the model runner). They are not rebalanced between steps yet, so a shared budget
     is split there at ``DEVICE_STATE_SHARE`` of the bytes for states (never beyond the budget);
-    the host-only runners (shadow, simulator) share it."""
+    the host-only runners (shadow, simulator) share it. ``device_sizes``: ``(state_bytes,
+    kv_bytes_per_token)`` per device as the mesh lays the pools out (tensor parallelism shards
+    them: ``parallel.sizing.unit_bytes``); the budget is per device."""
     from mambacache.cache.budget import DEVICE_STATE_SHARE, plan_pools
 
     cc = cfg.cache
@@ -162,7 +165,7 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
         raise ValueError(f"cache.memory_fraction ({cc.memory_fraction}) needs the device's "
                          "measured memory (parallel.sizing.device_cache_budget); on CPU set "
                          "cache.memory_bytes")
-    state, kv = model_byte_sizes(cfg, model_cfg)
+    state, kv = device_sizes if device_sizes is not None else model_byte_sizes(cfg, model_cfg)
     ctx = context_len or getattr(model_cfg, "max_position_embeddings", 0) or 4096
     usable = int(limit)
     if physical:  # the reserved page 0 and slot 0, speculative scratch slots: device rows too
