@@ -41,19 +41,22 @@ def test_plan_json_fields_and_budget_arithmetic(tmp_path, capsys):
     assert p["weight_bytes"] == sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(params))
     left = p["hbm_bytes"] - p["weight_bytes"] - p["step_bytes"]
     assert p["cache_budget_bytes"] == int(left * 0.9)
-    # one shared budget (cache/budget.py): each pool may grow to the budget next to one of the
-    # other
-    budget = p["cache_budget_bytes"]
-    assert p["num_mamba_slots"] == (budget - p["kv_page_bytes"]) // p["state_slot_bytes"]
-    assert p["num_kv_tokens"] == (budget - p["state_slot_bytes"]) // p["kv_page_bytes"] * 4
+    # as the engine sizes device pools (engine.pools.size_pools, physical): the reserved page 0
+    # and slot 0 off the budget, then DEVICE_STATE_SHARE of the rest to state slots
+    from mambacache.cache.budget import DEVICE_STATE_SHARE
+
+    slot, page = p["state_slot_bytes"], p["kv_page_bytes"]
+    usable = p["cache_budget_bytes"] - page - slot
+    assert p["num_mamba_slots"] == int(usable * DEVICE_STATE_SHARE) // slot
+    assert p["num_kv_tokens"] == (usable - p["num_mamba_slots"] * slot) // page * 4
     assert "num_kv_tokens" in capsys.readouterr().out
 
 
 def test_plan_exits_1_when_the_budget_cannot_hold_the_running_requests(tmp_path, capsys):
     rc, p = _run(tmp_path, "h200:1", "--set", "cache.memory_fraction=0.0000001")
     assert rc == 1 and not p["fits"]
-    assert "cannot hold one request of the context (4096 tokens" in p["reason"]
-    assert "16 running state slots" in p["reason"] and "NO:" in capsys.readouterr().out
+    assert "it needs max_running_requests = 16 slots and one context of 4096" in p["reason"]
+    assert "NO:" in capsys.readouterr().out
 
 
 def test_plan_exits_1_with_the_numbers_when_weights_exceed_hbm(tmp_path, capsys):

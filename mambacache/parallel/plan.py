@@ -127,12 +127,14 @@ def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) ->
 
 def _pools(cfg: EngineConfig, head: str, hbm: int, weights: int, step: int, slot_bytes: int,
            page_bytes: int, context: int) -> tuple[int, int, int, str]:
-    """``(budget, num_mamba_slots, num_kv_tokens, reason)`` per device: the budget from
-    ``cache.memory_bytes`` or ``cache.memory_fraction`` (``sizing.memory_fraction``), the pools
-    from ``cache/budget.py``'s ``plan_pools`` (KV and states share the bytes: each count is
-    what its pool may grow to next to one of the other); ``reason`` empty when it fits, else
-    what does not, with the numbers (GB = 1e9 bytes). A negative budget: short by that much."""
-    from mambacache.cache.budget import budget_from_fraction, plan_pools
+    """``(budget, num_mamba_slots, num_kv_tokens, reason)`` per device, as the engine sizes
+    its pools on a device (``engine.pools.size_pools(..., physical=True)``: the budget split
+    between the two pool arrays) with this device's laid-out bytes of a slot and a token;
+    ``reason`` empty when it fits, else what does not, with the numbers (GB = 1e9 bytes). The
+    budget is ``cache.memory_bytes`` or ``cache.memory_fraction`` of what is left (negative:
+    short by that much)."""
+    from mambacache.cache.budget import budget_from_fraction
+    from mambacache.engine.pools import size_pools
     from mambacache.parallel.sizing import memory_fraction
 
     left = hbm - weights - step
@@ -140,19 +142,31 @@ def _pools(cfg: EngineConfig, head: str, hbm: int, weights: int, step: int, slot
         return left, 0, 0, (f"{head} does not fit: weights {weights / GB:.2f} GB + step "
                             f"{step / GB:.2f} GB per device exceed the {hbm / GB:.2f} GB of "
                             f"HBM by {-left / GB:.2f} GB")
-    fraction = memory_fraction(cfg)
-    budget = cfg.cache.memory_bytes or budget_from_fraction(hbm, weights, step, fraction)
-    if budget > left:
-        return budget, 0, 0, (f"{head}: cache.memory_bytes {budget / GB:.2f} GB exceeds the "
-                              f"{left / GB:.2f} GB left after weights and step")
-    cache_cfg = cfg.cache if cfg.cache.has_budget else dataclasses.replace(
-        cfg.cache, memory_fraction=fraction, num_kv_tokens=0, num_mamba_slots=0)
+    budget = cfg.cache.memory_bytes or budget_from_fraction(hbm, weights, step,
+                                                            memory_fraction(cfg))
+    ps = cfg.cache.page_size
+    units = {"cache.state_bytes": slot_bytes, "cache.kv_bytes_per_token": -(-page_bytes // ps)}
+    if not cfg.cache.has_budget:  # the plan's default fraction, pools derived
+        units |= {"cache.memory_fraction": memory_fraction(cfg), "cache.num_kv_tokens": 0,
+                  "cache.num_mamba_slots": 0}
     try:
-        pools = plan_pools(cache_cfg, page_bytes, slot_bytes, context_len=context,
-                           max_running=cfg.scheduler.max_running_requests, memory_bytes=budget)
+        sized = size_pools(cfg.replace(**units), None, memory_bytes=budget, physical=True,
+                           context_len=context)[0].cache
     except ValueError as e:
         return budget, 0, 0, f"{head}: {e}"
-    return budget, pools.num_slots, pools.num_pages * cfg.cache.page_size, ""
+    need = dict(slots=cfg.scheduler.max_running_requests, tokens=context)
+    if sized.num_mamba_slots < need["slots"] or sized.num_kv_tokens < need["tokens"]:
+        return budget, 0, 0, (f"{head}: the cache budget {budget / GB:.4f} GB gives "
+                              f"{sized.num_mamba_slots} state slots of {slot_bytes / 1e6:.2f} MB "
+                              f"and {sized.num_kv_tokens} KV tokens; it needs "
+                              f"max_running_requests = {need['slots']} slots and one context of "
+                              f"{need['tokens']} tokens")
+    pools = (sized.num_mamba_slots + 1) * slot_bytes + (sized.num_pages + 1) * page_bytes
+    if budget > left or pools > left:
+        return budget, 0, 0, (f"{head}: the cache pools {pools / GB:.2f} GB (budget "
+                              f"{budget / GB:.2f} GB) exceed the {left / GB:.2f} GB left after "
+                              f"weights and step")
+    return budget, sized.num_mamba_slots, sized.num_kv_tokens, ""
 
 
 def _compiled_or_refused(model_cfg, cfg, topo, shapes, params, mesh, dtype

@@ -72,7 +72,7 @@ def largest_step_shapes(cfg: Any, model_cfg: Any) -> dict[str, StepShape]:
                               bucket(cfg.scheduler.max_running_requests, 1)).program_set()
     return {
         "prefill": max((s for s in programs if not s.decode),
-                       key=lambda s: (s.num_tokens, s.num_logits)),
+                       key=lambda s: (s.num_tokens, s.num_logits, s.num_pages_per_seq)),
         "decode": max((s for s in programs if s.decode),
                       key=lambda s: (s.num_seqs, s.num_pages_per_seq)),
     }
