@@ -31,7 +31,6 @@ from collections.abc import Callable
 import numpy as np
 from absl import logging
 
-from mambacache.cache.base import CacheBase
 from mambacache.config import EngineConfig
 from mambacache.engine.admission import admit
 from mambacache.engine.cache_manager import CacheManager
@@ -63,10 +62,6 @@ class Scheduler:
         self._to_publish: list[Request] = []  # prefills whose last step wrote snapshots
         # [speculative] verify rows instead of decodes when a drafter proposes tokens
         self.speculative = SpecDecoder(cfg) if cfg.speculative.enabled else None
-
-    @property
-    def cache(self) -> CacheBase:
-        return self.manager.cache
 
     # ---- pages -----------------------------------------------------------------------------
     def _grow_or_preempt(self, req: Request, end: int) -> bool:
