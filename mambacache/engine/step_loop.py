@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from absl import logging
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from mambacache.engine.engine import Engine
 
 
+@runtime_checkable
 class Runner(Protocol):
     """What the loop needs of a runner (``ModelRunner`` on the device, ``ShadowRunner``)."""
 
