@@ -183,7 +183,8 @@ class Lease:
     def grow(self, end: int) -> bool:
         """Make the pages cover ``end`` tokens; False if the pool cannot (nothing taken).
         Mutates ``own_page_ids`` and the page allocator (may evict unlocked tree pages)."""
-        need = self._mgr.pages_for(end) - len(self.cached_page_ids) - len(self.own_page_ids)
+        # pages_for(end), inline: called per row of every step
+        need = -(-end // self._mgr.page_size) - len(self.cached_page_ids) - len(self.own_page_ids)
         if need <= 0:
             return True
         pages = self._mgr.cache.alloc_pages(need)
@@ -215,7 +216,7 @@ class Lease:
         row of this step reads them), or None (not a boundary, or the pool is short: counted as
         skipped). Mutates ``pending_snapshots``, ``snapshots_in_flight``, the slot allocator."""
         mgr = self._mgr
-        if not mgr.boundary_snapshots or not mgr.is_page_boundary(end):
+        if not mgr.boundary_snapshots or end % mgr.page_size:  # per decode row: no call
             return None
         got = mgr.cache.alloc_slots(1)
         if got is None:

@@ -83,6 +83,9 @@ class StepLoop:
         self.depth = depth
         self.in_flight: InFlight | None = None  # [depth 1] dispatched, tokens not read yet
         self.spec = engine.scheduler.speculative  # [speculative] verify rows, slot copies
+        # read per row: the engine's parts, fixed for its life
+        self.scheduler, self.stats = engine.scheduler, engine.stats
+        self.eos_token_id = getattr(engine.model_cfg, "eos_token_id", None)  # not ModelConfig's
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and account one step; the requests whose last token was read."""
@@ -208,9 +211,9 @@ class StepLoop:
 
     # ---- per row -----------------------------------------------------------------------------
     def _advance(self, s: ScheduledSeq) -> None:
-        self.engine.scheduler.advance(s)
+        self.scheduler.advance(s)
         if s.end - s.start > 1 or s.start < s.req.prompt_len:
-            self.engine.stats.computed_prefill_tokens += s.end - s.start
+            self.stats.computed_prefill_tokens += s.end - s.start
 
     def _accept_verify(self, s: ScheduledSeq, tokens: np.ndarray, logprobs: np.ndarray,
                        now: float) -> RequestOutput | None:
@@ -243,8 +246,7 @@ class StepLoop:
 
     def finish_reason(self, req: Request, token: int, num_out: int) -> str | None:
         """Why ``req`` ends with ``token`` as its ``num_out``-th output token (None: it goes on)."""
-        p = req.params
-        eos = getattr(self.engine.model_cfg, "eos_token_id", None)  # absent from ModelConfig
+        p, eos = req.params, self.eos_token_id
         if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
             return "stop"
         if num_out >= p.max_new_tokens:
