@@ -4,6 +4,10 @@
     outs = engine.generate([[5, 17, 3, 99]], SamplingParams(max_new_tokens=8))
 
 ``add_request`` / ``step`` / ``abort`` drive it incrementally (the benchmark does).
+
+One thread at a time (``engine/thread_guard.py``): a call from a second thread while another
+is inside the engine (a step running) is a ``RuntimeError`` naming both; nothing is serialised
+or interleaved. The server drives the engine from its one ``EngineLoop`` thread.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.speculative import num_state_slots, spec_metrics
 from mambacache.engine.step_loop import InFlight, Runner, StepLoop
+from mambacache.engine.thread_guard import owned
 
 if TYPE_CHECKING:
     from mambacache.engine.pools import PoolState
@@ -132,6 +137,7 @@ class Engine:
         return self.loop.in_flight
 
     # ---- requests --------------------------------------------------------------------------
+    @owned
     def add_request(self, prompt: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
                     *, extra_key: str | None = None) -> int:
         """Queue a request; bad input is a ``ValueError`` raised before anything is held."""
@@ -144,6 +150,7 @@ class Engine:
         self.scheduler.waiting.append(self.requests[rid])
         return rid
 
+    @owned
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request and free everything it holds; its output so far, or None if unknown."""
         req = self.requests.pop(request_id, None)
@@ -161,6 +168,7 @@ class Engine:
         is one of them (a step in flight with no such row holds only dropped tokens)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    @owned
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, extra_keys: Sequence[str | None] | None = None) -> list[RequestOutput]:
@@ -185,12 +193,14 @@ class Engine:
         return [done[r] for r in rids]
 
     # ---- one step --------------------------------------------------------------------------
+    @owned
     def step(self) -> list[RequestOutput]:
         """Schedule, run and account one step (``engine/step_loop.py``); the requests that
         finished in it. [overlap] Dispatches step N+1, then reads step N: the finished requests
         are those whose tokens were read in this call."""
         return self.loop.step()
 
+    @owned
     def warmup(self, max_seq_len: int | None = None) -> dict[str, Any]:
         """Compile every step program this configuration can run (sequences up to
         ``max_seq_len`` tokens; default the model's context) on an idle engine, leaving its
@@ -214,12 +224,14 @@ class Engine:
                              f"{len(self.scheduler.waiting)} waiting)")
         self.runner.pools = pools
 
+    @owned
     def save(self, path: str) -> None:
         """Save the whole cache (tree + the pool rows it owns) to directory ``path``; idle only."""
         from mambacache.parallel.checkpoint import save_cache
 
         save_cache(self, path)
 
+    @owned
     def restore(self, path: str) -> None:
         """Load a cache saved by ``save`` into this idle engine; ``ValueError`` if the model or
         the cache layout differ."""
@@ -228,9 +240,11 @@ class Engine:
         restore_cache(self, path)
 
     # ---- observability ---------------------------------------------------------------------
+    @owned
     def metrics(self) -> dict[str, Any]:
         return {**self.stats.as_dict(self), **spec_metrics(self.scheduler.speculative)}
 
+    @owned
     def check_integrity(self) -> None:
         """Raise if any invariant of the tree, the pools or the requests is broken."""
         check_engine_integrity(self)
