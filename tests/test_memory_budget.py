@@ -106,7 +106,10 @@ def test_a_deeper_end_demotes_the_superseded_state_and_a_hit_promotes_it():
 
 def test_auto_eviction_follows_the_budget():
     assert isinstance(make_cache(True, 8, 4, eviction="auto").policy, LRUPolicy)
-    assert isinstance(shared(eviction="auto").policy, FlopAwarePolicy)
+    auto = shared(eviction="auto").policy
+    assert isinstance(auto, FlopAwarePolicy)
+    assert (auto.tuner.every, auto.tuner.window) == (256, 128)  # early, short tuning windows
+    assert make_cache(True, 8, 4, eviction="flop_aware").policy.tuner.every == 512
     assert shared(eviction="flop_aware").policy.state_tokens == SLOT_B / PAGE_B
     assert CacheConfig().eviction == "auto"
 
