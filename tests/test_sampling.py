@@ -79,3 +79,18 @@ def test_a_row_that_cannot_be_packed_as_is_still_packs():
     assert sb.top_k.dtype == np.int32 and int(sb.top_k[1]) == np.iinfo(np.int32).max
     tokens, _ = jax.jit(sample)(_logits(rows=4), sb)
     assert tokens.shape == (4,)
+
+
+def test_a_step_with_a_wild_row_completes_for_every_row():
+    """Issue 24: a top_k of 2^40 in one row overflowed int32 when the step was packed, and the
+    failed step failed all of its requests. Now every request of the step finishes normally."""
+    from engine_helpers import make_engine
+
+    engine = make_engine()
+    wild = mc.SamplingParams(max_new_tokens=3, temperature=1.0, seed=1)
+    object.__setattr__(wild, "top_k", 2**40)  # past the checks, as a buggy caller could
+    outs = engine.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]],
+                           [mc.SamplingParams(max_new_tokens=3), wild,
+                            mc.SamplingParams(max_new_tokens=3)])
+    assert [o.finish_reason for o in outs] == ["length"] * 3, [o.error for o in outs]
+    assert engine.metrics()["failed_steps"] == 0
