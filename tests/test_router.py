@@ -26,6 +26,8 @@ import openai
 import pytest
 from serve_helpers import MODEL, running_server
 
+NO_WARMUP = {"serve.warmup": False}  # the first requests compile what they use
+
 pytestmark = pytest.mark.router
 
 ROUTERS = ("sglang-router", "smg")
@@ -80,7 +82,7 @@ def router(name: str, workers: list[str], policy: str, log: Path) -> Iterator[st
 
 @pytest.fixture(scope="module")
 def servers():
-    with running_server() as a, running_server() as b:
+    with running_server(**NO_WARMUP) as a, running_server(**NO_WARMUP) as b:
         yield [a, b]
 
 

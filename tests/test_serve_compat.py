@@ -12,9 +12,13 @@ import openai
 import pytest
 from serve_helpers import MODEL, running_server
 
-from mambacache.serve import lenient
+from mambacache.serve import lenient, tool_calls
 from mambacache.serve.protocol import ChatRequest, CompletionRequest, parse_request
 from mambacache.serve.sglang_api import GenerateRequest
+
+# These tests are about the HTTP surface, not start-up: the first requests compile what they
+# use (the full warm-up of every step program took > 600 s at load ~25 on the 2-core box).
+NO_WARMUP = {"serve.warmup": False}
 
 # What sglang-router 0.3.2 adds to the requests it forwards (issue 31).
 ROUTER_FIELDS = {"no_stop_trim": False, "return_hidden_states": False,
@@ -24,7 +28,7 @@ ROUTER_FIELDS = {"no_stop_trim": False, "return_hidden_states": False,
 
 @pytest.fixture(scope="module")
 def srv():
-    with running_server() as handle:
+    with running_server(**NO_WARMUP) as handle:
         handle.openai = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="none",
                                       max_retries=0)
         with handle.openai:
@@ -43,7 +47,7 @@ def test_unknown_fields_are_named_nested_and_once(caplog):
             **ROUTER_FIELDS}
     req = parse_request(json.dumps(body).encode(), ChatRequest)
     assert lenient.ignored_fields(req) == [*ROUTER_FIELDS, "stream_options.continuous_usage_stats",
-                                           "messages.tool_call_id", "messages.cache_control"]
+                                           "messages.cache_control"]  # tool_call_id is read
     lenient.IGNORED_LOGGED.difference_update(lenient.ignored_fields(req))
     with caplog.at_level(logging.WARNING, logger=lenient.__name__):
         first = lenient.note_ignored(req)
@@ -69,7 +73,7 @@ def test_known_field_with_a_bad_value_is_still_a_400(srv):
 
 
 def test_router_fields_are_ignored_and_listed(srv, client):
-    resp = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+    resp = httpx.post(f"{srv.url}/v1/chat/completions", timeout=300, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
         "temperature": 0, **ROUTER_FIELDS})
     assert resp.status_code == 200, resp.text
@@ -77,7 +81,7 @@ def test_router_fields_are_ignored_and_listed(srv, client):
     out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
                                     stream=True, extra_body=ROUTER_FIELDS)
     assert sum(len(c.choices[0].text) for c in out if c.choices) > 0
-    plain = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+    plain = httpx.post(f"{srv.url}/v1/completions", timeout=300,
                        json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert lenient.IGNORED_HEADER not in plain.headers
 
@@ -89,7 +93,7 @@ def test_generate_text_and_ids_match_completions(srv, client):
                                     logprobs=0, extra_body={"ignore_eos": True,
                                                             "return_token_ids": True})
     sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-    by_text = httpx.post(f"{srv.url}/generate", timeout=60, json={
+    by_text = httpx.post(f"{srv.url}/generate", timeout=300, json={
         "text": prompt, "sampling_params": sp, "return_logprob": True}).json()
     assert by_text["output_ids"] == ref.choices[0].token_ids
     assert by_text["text"] == ref.choices[0].text
@@ -100,7 +104,7 @@ def test_generate_text_and_ids_match_completions(srv, client):
     lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
     assert lps == pytest.approx(ref.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert [t for _, t, _ in meta["output_token_logprobs"]] == by_text["output_ids"]
-    batch = httpx.post(f"{srv.url}/generate", timeout=60, json={
+    batch = httpx.post(f"{srv.url}/generate", timeout=300, json={
         "input_ids": [ids, ids[:4]], "sampling_params": sp}).json()
     assert isinstance(batch, list) and batch[0]["output_ids"] == by_text["output_ids"]
     assert batch[1]["meta_info"]["prompt_tokens"] == 4
@@ -110,10 +114,10 @@ def test_generate_text_and_ids_match_completions(srv, client):
 def test_generate_streams_cumulative_text(srv):
     body = {"text": "stream me", "stream": True,
             "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
-    whole = httpx.post(f"{srv.url}/generate", timeout=60,
+    whole = httpx.post(f"{srv.url}/generate", timeout=300,
                        json=body | {"stream": False}).json()
     events = []
-    with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=60) as resp:
+    with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=300) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: "):
@@ -129,11 +133,11 @@ def test_generate_streams_cumulative_text(srv):
 
 
 def test_generate_stop_string_and_defaults(srv):
-    full = httpx.post(f"{srv.url}/generate", timeout=60, json={
+    full = httpx.post(f"{srv.url}/generate", timeout=300, json={
         "text": "stop here", "sampling_params": {"max_new_tokens": 30, "temperature": 0,
                                                  "ignore_eos": True}}).json()
     stop = full["text"][4:7]
-    cut = httpx.post(f"{srv.url}/generate", timeout=60, json={
+    cut = httpx.post(f"{srv.url}/generate", timeout=300, json={
         "text": "stop here", "sampling_params": {"max_new_tokens": 30, "temperature": 0,
                                                  "ignore_eos": True, "stop": [stop]}}).json()
     assert cut["text"] == full["text"][:full["text"].find(stop)]
@@ -254,3 +258,52 @@ def test_n_choices_share_the_prompt_with_per_choice_seeds(srv, client):
     assert chunks[-1].usage.completion_tokens == 10
     srv.wait_idle()
     srv.on_engine(lambda e: e.check_integrity())
+
+
+def test_tool_call_text_parsed_in_both_formats():
+    text = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n'
+            '<parameter=note>\ntwo words\n</parameter>\n</function>\n</tool_call>')
+    content, calls = tool_calls.parse_tool_calls(text)
+    assert content.strip() == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["weather", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 2, "note": "two words"}
+    assert calls[0]["id"] != calls[1]["id"] and calls[0]["type"] == "function"
+    bad = "<tool_call>not a call</tool_call> rest"
+    assert tool_calls.parse_tool_calls(bad) == (bad, [])  # kept, never dropped
+    assert tool_calls.parse_tool_calls("  \n") == (None, [])
+
+
+def test_tool_call_round_trips_through_the_openai_client(srv, client, monkeypatch):
+    """The server parses a Hermes-format call out of the answer (the random tiny model cannot be
+    asked for one: its text is replaced here) and takes the call and its result back."""
+    tools = [{"type": "function", "function": {
+        "name": "weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}]
+    real = srv.server._collect
+
+    async def answer_with_a_call(gen, shape, chat, want_lp):
+        body = await real(gen, shape, chat, want_lp)
+        body["choices"][0]["message"]["content"] = (
+            '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+        return body
+
+    monkeypatch.setattr(srv.server, "_collect", answer_with_a_call)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                         max_tokens=3)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    monkeypatch.undo()
+    follow = messages + [choice.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=follow, tools=tools, max_tokens=3)
+    assert raw.http_response.status_code == 200
+    assert lenient.IGNORED_HEADER not in raw.headers  # tools and tool_calls are read
+    assert raw.parse().choices[0].message.tool_calls is None  # plain text: no call
+    srv.wait_idle()

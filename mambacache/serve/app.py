@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mambacache.engine.sampling_params import SamplingParams
-from mambacache.serve import choices, sglang_api
+from mambacache.serve import choices, sglang_api, tool_calls
 from mambacache.serve.auth import Auth
 from mambacache.serve.engine_loop import EngineLoop, Overloaded
 from mambacache.serve.generation import ClientGone, Generation
@@ -87,9 +87,9 @@ class Server:
             prompt = single_prompt(req.prompt)
             return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
-                    for m in req.messages]
+                    | tool_calls.message_extras(m) for m in req.messages]
         try:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, tools=tool_calls.request_tools(req))
         except Exception as err:  # noqa: BLE001 - a template that refuses the messages
             raise ApiError(f"messages: {err}", param="messages") from None
 
@@ -126,6 +126,9 @@ class Server:
         if top_n or echo:
             return JSONResponse(await scored_response(self, gen, shape, chat, top_n, echo),
                                 headers=ignored)
+        if chat and not req.stream and tool_calls.request_tools(req):  # calls out of the text
+            body = await self._collect(gen, shape, chat, want_lp)
+            return JSONResponse(tool_calls.apply(body), headers=ignored)
         if req.stream:
             return StreamingResponse(self._events(gen, shape, chat, want_lp, req.include_usage()),
                                      media_type="text/event-stream", headers=ignored)

@@ -40,11 +40,16 @@ def _walk(value: Any, prefix: str, out: list[str]) -> None:
             _walk(item, prefix, out)
 
 
+#: undeclared fields that a module reads from ``model_extra`` (``tool_calls.py``): not ignored
+READ_FROM_EXTRA = frozenset({"tools", "tool_choice", "messages.tool_calls",
+                             "messages.tool_call_id"})
+
+
 def ignored_fields(request: BaseModel) -> list[str]:
     """The unknown field paths of a parsed request (nested models too), each once, in order."""
     out: list[str] = []
     _walk(request, "", out)
-    return list(dict.fromkeys(out))
+    return [n for n in dict.fromkeys(out) if n not in READ_FROM_EXTRA]
 
 
 def note_ignored(request: BaseModel) -> dict[str, str]:

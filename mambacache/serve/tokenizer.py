@@ -50,9 +50,9 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special = dict(special)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-               ) -> str:
-        return self.template.render(messages=list(messages), tools=None,
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        return self.template.render(messages=list(messages), tools=tools,
                                     add_generation_prompt=add_generation_prompt, **self.special)
 
 
@@ -161,7 +161,8 @@ Tokenizer = ByteTokenizer | HFTokenizer
 _MARK = re.compile("(\ue000[0-9]+\ue001)")
 
 
-def encode_chat(tok: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def encode_chat(tok: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """The chat prompt of ``messages`` (dicts with ``role``, ``content``, maybe ``name``) as ids.
     A content holding special-token text is rendered as a private-use marker and encoded as text
     where the marker lands; ``ValueError`` naming the message if the template drops or repeats
@@ -176,7 +177,7 @@ def encode_chat(tok: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[i
             literal[mark] = m["content"]
             m = {**m, "content": mark}
         safe.append(m)
-    text = tok.chat_template.render(safe)
+    text = tok.chat_template.render(safe, tools=tools)  # tools: the request's (tool_calls.py)
     if not literal:
         return tok.encode(text, add_special_tokens=False)
     ids: list[int] = []
