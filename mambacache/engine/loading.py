@@ -41,6 +41,7 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
     from models.presets import get_preset
 
     model_cfg = get_preset(cfg.model.preset)
+    _check_random_init_fits(cfg.model.preset, model_cfg, dtype)
     params = init_params(model_cfg, seed=cfg.model.seed, dtype=dtype)
     scale = cfg.model.init_branch_scale
     if scale != 1.0:  # every matrix inside the layers (norms, A_log, dt_bias are 1-D)
@@ -53,3 +54,41 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
 
         return with_seeded_mtp(model_cfg, params, seed=cfg.model.seed)
     return model_cfg, params
+
+
+def _memory_limit_bytes() -> int:
+    """What the first device can hold: the allocator's limit on GPU / TPU, the memory the host
+    has available on CPU (``/proc/meminfo``; no limit if unreadable)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**63
+
+
+def _check_random_init_fits(preset: str, model_cfg: Any, dtype: Any) -> None:
+    """A real-size preset (``models/hf_configs/``) is a published model's shape without its
+    weights: random-initialising it is allowed (benchmarks at real size) only where the weights
+    fit, else a ``ValueError`` with the numbers before anything is allocated."""
+    from models.presets import is_real_preset
+
+    if not is_real_preset(preset):
+        return
+    from models.sizes import model_sizes
+
+    need = model_sizes(model_cfg, dtype).weight_bytes
+    limit = _memory_limit_bytes()
+    if need > limit:
+        raise ValueError(
+            f"model.preset {preset!r} is a real-size preset: its random weights need "
+            f"{need / 2**30:.1f} GiB but the device has {limit / 2**30:.1f} GiB; real-size "
+            f"presets are for sizing (python -m mambacache.plan, python -m mambacache.simulate); "
+            f"serve a checkpoint with model.path")
