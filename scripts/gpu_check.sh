@@ -47,7 +47,8 @@ step model_vs_reference 60 env PALLAS_INTERPRET=0 $PY -m pytest -q -p no:cachepr
 step kernel_roofline 120 $PY -m pallas_kernels.bench --large --iters 5 --out "$OUT/kernels.json"
 BENCH="configs/bench/multi_turn.toml"
 step plan 90 $PY -m mambacache.plan --config "$BENCH" --topology local \
-  --set cache.memory_fraction="$FRACTION" --set cache.page_size=16 --out "$OUT/plan.json"
+  --set cache.memory_fraction="$FRACTION" --set cache.num_kv_tokens=0 --set cache.num_mamba_slots=0 \
+  --set cache.page_size=16 --out "$OUT/plan.json"
 SIZES=$($PY -c "import json; p = json.load(open('$OUT/plan.json')); \
 print(f\"--set cache.num_mamba_slots={p['num_mamba_slots']} --set cache.num_kv_tokens={p['num_kv_tokens']}\")" \
   2>/dev/null || echo "")
