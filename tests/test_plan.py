@@ -150,6 +150,37 @@ def test_step_temporaries_grow_far_less_than_the_pools(monkeypatch):
     assert temps[1] - temps[0] < 0.1 * (pool_bytes[1] - pool_bytes[0]), (temps, pool_bytes)
 
 
+def test_device_report_folds_fractions_of_roofline(tmp_path):
+    import subprocess
+    import sys
+
+    kernels = dict(device="NVIDIA H200", roofline=[4.8e12, {"bfloat16": 989e12, "float32": None}],
+                   rows=[dict(op="gdr_extend", impl="pallas-gpu", compute_dtype="bfloat16",
+                              ms=1.0, bytes_per_s=2.4e12, flops_per_s=98.9e12),
+                         dict(op="gdr_extend", impl="reference", compute_dtype="float32",
+                              ms=3.0, bytes_per_s=1.2e12, flops_per_s=1e12)])
+    (tmp_path / "kernels.json").write_text(json.dumps(kernels))
+    (tmp_path / "steps.json").write_text(json.dumps({"plan": 0, "bench_cache_on_off": 124}))
+    proc = subprocess.run([sys.executable, "scripts/device_report.py", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads((tmp_path / "device_check.json").read_text())
+    pallas, ref = rep["kernels"]
+    assert pallas["hbm_fraction"] == pytest.approx(0.5)
+    assert pallas["flops_fraction"] == pytest.approx(0.1)
+    assert ref["flops_fraction"] is None and ref["hbm_fraction"] == pytest.approx(0.25)
+    assert rep["plan"] == "missing" and rep["steps"]["bench_cache_on_off"] == 124
+
+
+def test_local_sizing_needs_a_device_that_reports_memory():
+    from mambacache.parallel.topology import local_topology
+
+    if jax.default_backend() != "cpu":
+        pytest.fail("this test expects the CPU backend of the test suite")
+    with pytest.raises(ValueError, match="cache.memory_bytes"):
+        local_topology()
+
+
 # The rows of docs/parallel.md: bf16, page size 16; (preset, topology, TP, context). Each compiles
 # the real step of a 27-98 layer model: many minutes on a loaded 2-core box.
 REAL_ROWS = [("qwen3_next_80b_a3b", "v6e:2x4", 8, None),
