@@ -128,7 +128,10 @@ def structure_errors(text: str, modules: list[str]) -> list[str]:
         if line.startswith("## "):
             heads.append(re.search(r"`([^`]+)`", line).group(1))
         elif line.startswith("- `"):
-            named = re.findall(r"`([^`]+\.(?:py|md|sh))`", line)
+            named = re.findall(r"`([^`]+\.(?:py|md|sh)|[\w/]+/)`", line)  # files or folders
+            if not named:
+                errors.append(f"a line of docs/structure.md names no module: {line[:60]!r}")
+                continue
             seen.update(named)
             home = max((g for g in STRUCTURE_GROUPS if named[0].startswith(g)), key=len,
                        default=None)
