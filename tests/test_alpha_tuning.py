@@ -60,3 +60,42 @@ def test_tuner_stays_at_recency_without_a_clear_win():
     assert tuner.tune(cache) == GRID[0]  # nothing hits: every alpha ties, recency stays
     with pytest.raises(ValueError, match="grid"):
         AlphaTuner(grid=())
+
+
+def test_tuner_counts_requests_in_flight_and_retries_once():
+    tuner = AlphaTuner(window=8, every=100)
+    prompts = [np.arange(1, 20, dtype=np.int32) + 20 * i for i in range(4)]
+    for p in prompts:  # four admitted before any finishes
+        tuner.record_match(p)
+    tuner.record_match(prompts[-1])  # the same request matched again (pools short): counted once
+    assert len(tuner.pending) == 4 and list(tuner.inflight) == [1, 2, 3, 4, 4]
+    assert tuner.concurrency() == 3
+    for p in prompts:
+        tuner.record_insert(np.append(p, 7).astype(np.int32))
+    assert not tuner.pending and len(tuner.requests) == 4
+
+
+def test_tuner_without_a_clear_win_goes_back_to_recency_and_confirm_delays_a_switch():
+    cache = make_cache(True, 400, 8, eviction="flop_aware", alpha=4.0)
+    tuner = AlphaTuner(window=8, every=4, start=4.0)
+    for i in range(8):
+        prompt = np.arange(1, 20, dtype=np.int32) + 20 * i
+        tuner.record_match(prompt)
+        tuner.record_insert(np.append(prompt, 7).astype(np.int32))
+    assert tuner.tune(cache) == GRID[0]  # every alpha ties: recency, the safe candidate
+    reqs = as_requests(_mixed(60))
+    slow = make_cache(True, 4000, 4, eviction="flop_aware", tune_window=60, tune_every=30,
+                      tune_confirm=2)
+    replay(slow, reqs)
+    alphas = [a for _, a, _ in slow.policy.tuner.history]
+    assert alphas[0] == GRID[0] and slow.policy.alpha > 0  # adopted at its second win
+    with pytest.raises(ValueError, match="grid"):
+        AlphaTuner(start=3.0)
+
+
+def test_shadows_replay_with_the_requests_in_flight():
+    reqs = as_requests(_mixed(40))
+    cache = make_cache(True, 4000, 4, eviction="flop_aware", tune_window=60, tune_every=30)
+    replay(cache, reqs, concurrency=4)
+    assert cache.policy.tuner.concurrency() == 4
+    cache.check_integrity()

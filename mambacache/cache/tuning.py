@@ -3,13 +3,17 @@ caches, one per candidate ``alpha``, and keep the one that hit the most tokens.
 
 The cache reports every ``match_prefix`` (a prompt admitted) and every ``insert`` (the tokens of
 a finished request, paired with the pending prompt they extend) to the tuner, which keeps the last
-``window`` requests. Every ``every`` matches it replays them on fresh shadow caches of the same
-size and page size (``type(cache)``, no tuner, ``FlopAwarePolicy`` with a fixed ``alpha`` from
-``grid``), one request at a time with the shadow's own snapshot plan: the first half of the
-window warms the shadow up, the second half is scored by the prompt tokens its matches hit.
-The best ``alpha`` wins if it beats ``grid[0]`` (0: exactly LRU) by more than ``margin``
-(relative), else ``grid[0]`` stays: a shadow replay is a noisy predictor, and leaving recency
-costs more than it gains when the two are close. Until the first tuning ``alpha`` is ``grid[0]``.
+``window`` requests and how many were in flight at each admission. Every ``every`` matches it
+replays them on fresh shadow caches of the same size and page size (``type(cache)``, no tuner),
+one per candidate ``alpha`` of ``grid``, with as many requests in flight as the median of the
+window (8 at a time is a different pressure from one at a time) and the shadow's own snapshot
+plan: the first half of the window warms the shadow up under the alpha in use, then the shadow
+switches to its candidate and the second half is scored by the prompt tokens its matches hit.
+So a switch is scored with its own cost (a tree grown under recency, then ranked by FLOPs per
+byte, loses the sessions that come back: docs/bench.md 2026-12-02), and staying is a candidate
+like any other. A candidate wins if it beats the alpha in use by more than ``margin``
+(relative), else the alpha in use stays: a shadow replay is a noisy predictor. Until the first
+tuning ``alpha`` is ``start`` (default ``grid[0]``: 0, exactly LRU).
 
 Host cost: ``len(grid) * window`` replayed requests every ``every`` requests, in the request that
 triggers it (the median request pays nothing). Shadows never see locks of running requests, so
@@ -32,21 +36,33 @@ class AlphaTuner:
     """Request log + periodic grid search; see the module docstring."""
 
     def __init__(self, grid: tuple[float, ...] = GRID, window: int = 256, every: int = 512,
-                 margin: float = 0.02):
+                 margin: float = 0.02, start: float | None = None, confirm: int = 1):
         if not grid or any(a < 0 for a in grid) or window < 2 or every < 1:
             raise ValueError(f"alpha tuning needs a non-empty grid of alphas >= 0, window >= 2 "
                              f"and every >= 1, got {grid}, {window}, {every}")
         self.grid = tuple(sorted(grid))
         self.window, self.every, self.margin = window, every, margin
+        self.confirm = max(1, confirm)
+        self._last, self._wins = None, 0  # the last tuning's winner, its wins in a row
         self.requests: deque = deque(maxlen=window)  # (prompt, tokens at finish)
         self.pending: deque = deque(maxlen=64)  # prompts matched, not finished yet
+        self.inflight: deque = deque(maxlen=window)  # requests in flight at each match
         self.matches = 0
-        self.alpha = self.grid[0]
+        self.alpha = self.grid[0] if start is None else start
+        if self.alpha not in self.grid:
+            raise ValueError(f"alpha tuning starts from an alpha of its grid {self.grid}, "
+                             f"got {start}")
         self.history: list[tuple[int, float, list[int]]] = []  # (matches, alpha, hits per alpha)
 
     def record_match(self, prompt: np.ndarray) -> bool:
-        """A request was admitted with ``prompt``; True when it is time to ``tune``."""
-        self.pending.append(prompt)
+        """A request was admitted with ``prompt``; True when it is time to ``tune``. A prompt
+        matched again before it finished (an admission that found the pools short and retries)
+        counts once."""
+        pend = self.pending
+        if not any(p is prompt for p in pend) and not (
+                pend and len(pend[-1]) == len(prompt) and np.array_equal(pend[-1], prompt)):
+            pend.append(prompt)
+        self.inflight.append(len(self.pending))
         self.matches += 1
         return self.matches % self.every == 0 and len(self.requests) >= self.window // 2
 
@@ -61,24 +77,38 @@ class AlphaTuner:
                 self.requests.append((prompt, tokens))
                 return
 
+    def concurrency(self) -> int:
+        """Requests in flight the shadows replay with: the median at the recent matches."""
+        return max(1, int(np.median(self.inflight))) if self.inflight else 1
+
     def tune(self, cache: Any) -> float:
-        """Replay the window once per alpha of the grid; adopt and return the best alpha."""
+        """Replay the window once per alpha of the grid (``concurrency()`` in flight); the best
+        alpha is adopted once it has won ``confirm`` tunings in a row by more than ``margin``
+        over ``grid[0]``; a tuning without a clear winner goes back to ``grid[0]``. Returns
+        the alpha in use."""
         reqs = list(self.requests)
-        hits = [_replay(cache, reqs, len(reqs) // 2, alpha) for alpha in self.grid]
+        conc = self.concurrency()
+        hits = [_replay(cache, reqs, len(reqs) // 2, alpha, conc) for alpha in self.grid]
         best = max(range(len(hits)), key=lambda i: (hits[i], -i))
         if hits[best] <= hits[0] * (1 + self.margin):
             best = 0
-        self.alpha = self.grid[best]
+        self._wins = self._wins + 1 if self.grid[best] == self._last else 1
+        self._last = self.grid[best]
+        if best == 0 or self._wins >= self.confirm:
+            self.alpha = self.grid[best]
         self.history.append((self.matches, self.alpha, hits))
         return self.alpha
 
 
-def _replay(cache: Any, requests: list, scored_from: int, alpha: float) -> int:
-    """Prompt tokens hit by a shadow of ``cache`` with ``alpha`` over ``requests[scored_from:]``,
-    one request at a time, snapshots planned by the shadow itself."""
+def _replay(cache: Any, requests: list, scored_from: int, alpha: float,
+            concurrency: int = 1) -> int:
+    """Prompt tokens hit by a shadow of ``cache`` over ``requests[scored_from:]`` with
+    ``alpha``, after ``requests[:scored_from]`` warmed it up; ``concurrency`` requests in flight,
+    snapshots planned by the shadow itself."""
     shadow = type(cache)(cache.pages.num_ids, cache.slots.num_ids, cache.page_size,
-                         "flop_aware", speculative_states=cache.speculative_states, alpha=alpha,
-                         budget=getattr(cache, "budget", None),
+                         "flop_aware", speculative_states=cache.speculative_states,
+                         alpha=alpha, budget=getattr(cache, "budget", None),
                          state_bytes_in_tokens=cache.policy.state_tokens,
                          attn_quadratic_tokens=cache.policy.attn_tokens)
-    return replay(shadow, requests, scored_from=scored_from)["cached_tokens"]
+    return replay(shadow, requests, concurrency=concurrency,
+                  scored_from=scored_from)["cached_tokens"]
