@@ -108,8 +108,10 @@ def test_auto_eviction_follows_the_budget():
     assert isinstance(make_cache(True, 8, 4, eviction="auto").policy, LRUPolicy)
     auto = shared(eviction="auto").policy
     assert isinstance(auto, FlopAwarePolicy)
-    assert (auto.tuner.every, auto.tuner.window) == (256, 128)  # early, short tuning windows
-    assert make_cache(True, 8, 4, eviction="flop_aware").policy.tuner.every == 512
+    # early, short tuning windows; a close win is enough (the shadows see the real pressure)
+    assert (auto.tuner.every, auto.tuner.window, auto.tuner.margin) == (256, 128, 0.005)
+    plain = make_cache(True, 8, 4, eviction="flop_aware").policy.tuner
+    assert (plain.every, plain.margin) == (512, 0.02)
     assert shared(eviction="flop_aware").policy.state_tokens == SLOT_B / PAGE_B
     assert CacheConfig().eviction == "auto"
 

@@ -132,11 +132,11 @@ class FlopAwarePolicy(EvictionPolicy):
     def __init__(self, alpha: float | str = "auto", state_bytes_in_tokens: float = 256.0,
                  attn_quadratic_tokens: float = 8192.0, rerank_every: int = 32,
                  tune_window: int = 256, tune_every: int = 512, tune_start: float | None = None,
-                 tune_confirm: int = 1):
+                 tune_confirm: int = 1, tune_margin: float = 0.02):
         self.tuner = None
         if alpha == "auto":
             self.tuner = AlphaTuner(window=tune_window, every=tune_every, start=tune_start,
-                                    confirm=tune_confirm)
+                                    confirm=tune_confirm, margin=tune_margin)
             alpha = self.tuner.alpha
         if not isinstance(alpha, int | float) or alpha < 0 or state_bytes_in_tokens <= 0 \
                 or attn_quadratic_tokens <= 0:

@@ -50,8 +50,10 @@ from mambacache.cache.node import MatchResult, Node, as_tokens, make_root
 _EMPTY = np.zeros(0, dtype=np.int32)
 #: ``eviction = "auto"`` with a byte budget: the alpha tuner every 256 admissions on the last 128
 #: requests (the same replays per request as 512 / 256; a late switch of alpha costs more than
-#: it gains: on ShareGPT chat at 1 conv/s, 1-2 GiB, 0.035 / 0.063 against 0.028 / 0.047)
-AUTO_TUNE_EVERY, AUTO_TUNE_WINDOW = 256, 128
+#: it gains: on ShareGPT chat at 1 conv/s, 1-2 GiB, 0.035 / 0.063 against 0.028 / 0.047); a
+#: candidate wins by more than 0.5 % of the hits (shadows replayed with the requests in flight
+#: rank close alphas well enough: agents 8 at a time, 5 GiB, 0.840 -> 0.842, docs/bench.md)
+AUTO_TUNE_EVERY, AUTO_TUNE_WINDOW, AUTO_TUNE_MARGIN = 256, 128, 0.005
 
 
 @register_cache(True)
@@ -264,6 +266,7 @@ def make_cache(enable: bool = True, num_pages: int = 1, num_slots: int = 1, page
         if budget is not None:  # tune early and on short windows (docs/bench.md 2026-12-02)
             policy_kwargs.setdefault("tune_every", AUTO_TUNE_EVERY)
             policy_kwargs.setdefault("tune_window", AUTO_TUNE_WINDOW)
+            policy_kwargs.setdefault("tune_margin", AUTO_TUNE_MARGIN)
     return CACHE_CLASSES[enable](num_pages, num_slots, page_size, eviction,
                                  speculative_states=speculative_states, budget=budget,
                                  **policy_kwargs)
