@@ -48,6 +48,7 @@ print(json.dumps([[o.cached_tokens, o.output_token_ids, o.output_logprobs] for o
 """
 
 
+@pytest.mark.slow  # ~90 s; the in-process restore tests cover the same files in CI
 def test_restored_engine_in_new_process_has_same_hits_and_outputs(tmp_path):
     engine = make_engine(**CKPT_OVERRIDES)
     first, rng = _workload(0)

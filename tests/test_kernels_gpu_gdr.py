@@ -79,8 +79,11 @@ def _assert_close(o, pool, o_ref, pool_ref, dtype):
     assert not np.any(np.asarray(pool)[0])
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("dtype,zero_init", [("float32", False), ("bfloat16", True)])
+# fp32 mixed / odd_dims take ~40 s each interpreted on 2 cores: slow (bf16 keeps them in CI)
+@pytest.mark.parametrize("name,dtype,zero_init", [
+    pytest.param(n, d, z, marks=[pytest.mark.slow] if d == "float32" and n in ("mixed", "odd_dims")
+                 else [])
+    for d, z in [("float32", False), ("bfloat16", True)] for n in CASES])
 def test_gpu_gdr_extend_matches_reference(name, dtype, zero_init):
     _assert_close(*_extend_case(name, dtype, zero_init), dtype)
 

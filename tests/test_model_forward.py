@@ -147,7 +147,7 @@ def test_decode_equals_one_token_extend():
     np.testing.assert_allclose(by_decode, by_extend, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["tpu", "gpu"])
+@pytest.mark.parametrize("family", [pytest.param("tpu", marks=pytest.mark.slow), "gpu"])
 def test_pallas_kernels_match_reference(family, monkeypatch):
     """kernels="pallas" (interpret mode on CPU) equals "reference" on prefill and decode, with
     the Mosaic (tpu) and the Triton (gpu) kernel families."""

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import mambacache as mc
 from tests.engine_helpers import make_engine
 
@@ -21,6 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two JAX processes compiling the step: ~30 s
 def test_two_processes_match_one_device():
     env = {**os.environ, "PYTHON": sys.executable, "COORDINATOR": f"127.0.0.1:{free_port()}",
            "NUM_PROCESSES": "2", "XLA_FLAGS": ""}

@@ -15,6 +15,9 @@ import pytest
 
 from tests.multidevice import finish_worker, start_worker
 
+# ~170 s of compiles on 2 cores: tensor parallel itself is covered in CI by tests/test_parallel.py
+pytestmark = pytest.mark.slow
+
 _WORKER = """
 import json, re, sys
 import jax, numpy as np

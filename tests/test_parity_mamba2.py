@@ -55,8 +55,9 @@ def test_bf16_within_tolerance(name):
     assert np.abs(logits - exp["prefill_logits"]).mean() < 2 * hf_mean + 0.01
 
 
-@pytest.mark.parametrize("name, family", [("nemotron_h", "tpu"), ("nemotron_h", "gpu"),
-                                          ("granitemoehybrid", "tpu")])
+@pytest.mark.parametrize("name, family", [
+    ("nemotron_h", "tpu"), ("nemotron_h", "gpu"),
+    pytest.param("granitemoehybrid", "tpu", marks=pytest.mark.slow)])  # ~35 s: slow
 def test_pallas_kernels_fp32(name, family, monkeypatch):
     """The model on the Pallas SSD / conv / attention kernels of ``family`` (interpreted on CPU)
     and, for Granite, the grouped (``ragged_dot``) MoE equals transformers like the references
