@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.serve import choices, sglang_api, tool_calls
 from mambacache.serve.auth import Auth
-from mambacache.serve.engine_loop import EngineLoop, Overloaded
+from mambacache.serve.engine_loop import EngineLoop
 from mambacache.serve.generation import ClientGone, Generation
 from mambacache.serve.lenient import note_ignored
 from mambacache.serve.metrics import ServerMetrics
@@ -106,17 +106,8 @@ class Server:
         params = self.sampling(req, chat)
         prompt_ids = self.prompt_ids(req)
         namespace = self.auth.cache_namespace(http.headers.get("authorization"), req.cache_salt)
-        try:
-            stream = await self.loop.submit(prompt_ids, params, namespace)
-        except Overloaded as err:
-            self.metrics.rejected.labels("overloaded").inc()
-            raise ApiError(f"{err}; retry after {self.cfg.retry_after_s} s", status=503,
-                           type="server_overloaded",
-                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
-        except ValueError as err:
-            self.metrics.rejected.labels("invalid").inc()
-            raise ApiError(f"{'messages' if chat else 'prompt'}: {http_names(str(err))}",
-                           param="messages" if chat else "prompt") from None
+        stream = await sglang_api.submit(self, prompt_ids, params,
+                                         "messages" if chat else "prompt", namespace)
         shape = ResponseShape(chat=chat, model=self.model_name,
                               return_token_ids=req.return_token_ids)
         gen = Generation(self.loop, stream, self.tokenizer, stops=req.stop_strings(),

@@ -125,8 +125,6 @@ async def submit(server: Any, prompt: list[int], params: SamplingParams, param: 
     """Queue one prompt on the engine loop (``namespace``: its cache namespace, the tenant /
     ``cache_salt`` key): 503 when full, 400 naming ``param`` when refused."""
     try:
-        if namespace is None:
-            return await server.loop.submit(prompt, params)
         return await server.loop.submit(prompt, params, namespace)
     except Overloaded as err:
         server.metrics.rejected.labels("overloaded").inc()
