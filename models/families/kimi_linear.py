@@ -57,6 +57,7 @@ from models.layers import rms_norm_plain
 from models.mixer_registry import MIXERS
 from models.mla import mla_shapes
 from models.moe import mlp_block
+from models.params import mlp_shapes
 from models.safetensors_io import TensorSource
 
 if TYPE_CHECKING:
@@ -291,8 +292,7 @@ class KimiLinearFamily(Family):
         if mlp == "moe":
             layer["moe"] = _moe_shapes(cfg)
         else:
-            layer["mlp"] = {"gate_up": (h, 2 * cfg.intermediate_size),
-                            "down": (cfg.intermediate_size, h)}
+            layer["mlp"] = mlp_shapes(cfg)
         return layer
 
     def load_trunk(self, cfg: ModelConfig, src: TensorSource) -> dict[str, Any]:
