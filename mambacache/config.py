@@ -82,6 +82,9 @@ class CacheConfig:
     ``eviction`` ``"auto"``: ``lru`` for fixed pools, tuned ``flop_aware`` with a byte budget
     (KV and states ranked together by FLOPs saved per byte: on agent traces 4-9 points above
     ``lru`` over one pool, equal on chat; ``docs/radix_cache.md``).
+    ``host_memory_bytes`` (0 = off): the host tier (``cache/host_tier.py``), one byte budget in
+    host memory for KV pages and states that device eviction demotes into and a match promotes
+    back from.
     """
 
     enable: bool = True
@@ -95,12 +98,13 @@ class CacheConfig:
     memory_fraction: float = 0.0
     state_bytes: int = 0
     kv_bytes_per_token: int = 0
+    host_memory_bytes: int = 0
 
     def __post_init__(self):
         _positive("cache.page_size", self.page_size)
         _require(isinstance(self.speculative_states, bool),
                  f"cache.speculative_states must be a bool, got {self.speculative_states!r}")
-        for name in ("memory_bytes", "state_bytes", "kv_bytes_per_token"):
+        for name in ("memory_bytes", "state_bytes", "kv_bytes_per_token", "host_memory_bytes"):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                      f"cache.{name} must be an int >= 0, got {value!r}")

@@ -2,7 +2,7 @@
 
     python -m mambacache.bench.baselines --trace chat.jsonl --budgets 1,2,5 [--concurrency 1] \
         [--preset qwen3_next_80b_a3b | --state-bytes B --kv-bytes-per-token B] \
-        [--set cache.eviction=flop_aware] [--out table.json]
+        [--set cache.eviction=flop_aware] [--host-budgets 8 [--shared-only]] [--out table.json]
 
 Caches per budget, replayed host-only (``mambacache/cache/replay.py``: the request lifecycle of
 the engine without a model, ``concurrency`` requests in flight, the oldest finishing first):
@@ -17,6 +17,8 @@ the engine without a model, ``concurrency`` requests in flight, the oldest finis
 * ``lru_shared``: a plain LRU tree over one shared byte pool, states only at branch points and
   request ends (Marconi's "SGLang+" baseline);
 * ``baseline``: LRU, states only at branch points and request ends, fixed pools split in half;
+* ``host``: the shared budget with a host tier of each ``--host-budgets`` size behind it
+  (``cache/host_tier.py``: device eviction demotes to host memory, a match promotes back);
 * ``oracle``: attention-only: the KV of the half split, and a state at every page boundary for
   free (``AttentionOracleCache``: a match is as long as the KV found in the tree).
 
@@ -113,9 +115,12 @@ def _run(cfg: CacheConfig, requests: list, concurrency: int, total: int) -> floa
 
 def budget_row(records: list[dict[str, list[int]]], gib: float, concurrency: int = 1,
                overrides: dict[str, Any] | None = None, state_bytes: float = STATE_BYTES,
-               kv_bytes_per_token: float = STATE_BYTES / STATE_KV_TOKENS) -> dict[str, Any]:
+               kv_bytes_per_token: float = STATE_BYTES / STATE_KV_TOKENS,
+               host_gibs: tuple[float, ...] = (), shared_only: bool = False) -> dict[str, Any]:
     """Hit rates of the shared budget, the fixed splits, the baselines and the oracle at one
-    budget (trace records); see the module docstring."""
+    budget (trace records); see the module docstring. ``host_gibs``: the shared budget with a
+    host tier of each size behind it (``host``: {GiB: hit rate}); ``shared_only``: only the
+    shared budget and those."""
     requests = as_requests(records)
     total = sum(len(p) for p, _ in requests)
     over = overrides or {}
@@ -124,6 +129,12 @@ def budget_row(records: list[dict[str, list[int]]], gib: float, concurrency: int
     def cfg(share, extra=None):
         return _config(gib, share, {**over, **(extra or {})}, state_bytes, kv_bytes_per_token)
 
+    host = {h: _run(cfg(None, {"cache.host_memory_bytes": int(h * 2**30)}), requests,
+                    concurrency, total) for h in host_gibs}
+    if shared_only:
+        return {"budget_gib": gib, "shared": _run(cfg(None), requests, concurrency, total),
+                "host": host, "state_bytes": state_bytes,
+                "kv_bytes_per_token": kv_bytes_per_token}
     half = cfg(0.5)
     splits = {}
     for share in SHARES:
@@ -145,7 +156,7 @@ def budget_row(records: list[dict[str, list[int]]], gib: float, concurrency: int
                                requests, concurrency, total),
             "baseline": _run(dataclasses.replace(half, **plain), requests, concurrency, total),
             "oracle": replay(oracle, requests, 0, concurrency)["cached_tokens"] / total,
-            "config": dataclasses.asdict(shared)}
+            "host": host, "config": dataclasses.asdict(shared)}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -156,6 +167,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['budget_gib']:g} GiB | {r['shared']:.3f} | {r['best_split']:.3f} "
                      f"({r['split_share']:g}) | {r['defaults']:.3f} | {r['lru_shared']:.3f} | "
                      f"{r['baseline']:.3f} | {r['oracle']:.3f} |")
+    return "\n".join(lines)
+
+
+def host_markdown(rows: list[dict[str, Any]]) -> str:
+    """The shared budget alone and with each host tier, one line per device budget."""
+    hosts = sorted({h for r in rows for h in r["host"]})
+    lines = ["| device budget | device only | " + " | ".join(
+        f"+ host {h:g} GiB" for h in hosts) + " |", "|---" * (2 + len(hosts)) + "|"]
+    for r in rows:
+        cells = " | ".join(f"{r['host'][h]:.3f}" if h in r["host"] else "" for h in hosts)
+        lines.append(f"| {r['budget_gib']:g} GiB | {r['shared']:.3f} | {cells} |")
     return "\n".join(lines)
 
 
@@ -180,6 +202,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--preset", default=None, help="a model preset's byte sizes (bf16)")
     ap.add_argument("--state-bytes", type=float, default=STATE_BYTES)
     ap.add_argument("--kv-bytes-per-token", type=float, default=STATE_BYTES / STATE_KV_TOKENS)
+    ap.add_argument("--host-budgets", default="", help="host tier GiB, comma separated: a "
+                    "column each, the shared budget with that host tier behind it")
+    ap.add_argument("--shared-only", action="store_true",
+                    help="only the shared budget and the host columns (no splits, baselines)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     with Path(args.trace).open() as f:
@@ -187,9 +213,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     overrides = parse_set_args(args.sets)
     sizes = preset_sizes(args.preset) if args.preset else (args.state_bytes,
                                                            args.kv_bytes_per_token)
-    rows = [budget_row(requests, float(g), args.concurrency, overrides, *sizes)
-            for g in args.budgets.split(",")]
-    print(markdown(rows))
+    hosts = tuple(float(h) for h in args.host_budgets.split(",") if h)
+    rows = [budget_row(requests, float(g), args.concurrency, overrides, *sizes, host_gibs=hosts,
+                       shared_only=args.shared_only) for g in args.budgets.split(",")]
+    if not args.shared_only:
+        print(markdown(rows))
+    if hosts or args.shared_only:
+        print(host_markdown(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
     return rows

@@ -51,6 +51,8 @@ class CacheBase:
 
     # plan the prompt_len - 1 snapshot and checkpoints (``snapshot_plan.assign_snapshot_slots``)
     speculative_states = True
+    # the host tier behind this cache (``cache/host_tier.py``; set by ``HostTier``), or None
+    host_tier: Any = None
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
                  budget: ByteBudget | None = None):

@@ -325,7 +325,9 @@ class TreeEviction:
                 self._remove_leaf(node)
         return self.slots.num_free - before
 
-    def _drop_state(self, node: Node) -> None:
+    def _drop_state(self, node: Node, demote: bool = True) -> None:
+        if demote and self.evict_hook is not None and not node.spec:
+            self.evict_hook(node)  # a firm internal state: the host tier may keep a copy
         self.slots.release_one(node.slot)
         del self.lru_state[node]
         if node.spec:
@@ -354,6 +356,8 @@ class TreeEviction:
     def _remove_leaf(self, node: Node) -> int:
         """Remove an unlocked leaf whole, then childless tombstones upward; returns pages freed."""
         freed = 0
+        if self.evict_hook is not None and not node.spec:
+            self.evict_hook(node)  # the leaf's KV path and state, before any id is freed
         while True:
             parent = node.parent
             del parent.children[node.first_page]
@@ -361,7 +365,7 @@ class TreeEviction:
             freed += len(node.pages)
             del self.lru_all[node]
             if node.slot is not None:
-                self._drop_state(node)
+                self._drop_state(node, demote=False)
             node.alive = False
             if parent.parent is None and not parent.children and parent.extra_key is not None:
                 self.roots.pop(parent.extra_key, None)  # an emptied namespace goes away

@@ -75,9 +75,20 @@ def make_root(extra_key: Any = None) -> Node:
 
 def path_pages(node: Node) -> np.ndarray:
     """``int32[depth // page_size]``: KV page ids from the root down to ``node``."""
+    return _along_path(node, "pages")
+
+
+def path_tokens(node: Node) -> np.ndarray:
+    """``int32[depth]``: the token ids from the root down to the end of ``node``."""
+    return _along_path(node, "key")
+
+
+def _along_path(node: Node, field: str) -> np.ndarray:
+    """``field`` (``pages`` or ``key``) of every node from the root down to ``node``, joined
+    (a fresh array)."""
     parts = []
     while node.parent is not None:
-        parts.append(node.pages)
+        parts.append(getattr(node, field))
         node = node.parent
     if not parts:
         return _EMPTY.copy()
@@ -85,6 +96,13 @@ def path_pages(node: Node) -> np.ndarray:
         return parts[0].copy()
     parts.reverse()
     return np.concatenate(parts)
+
+
+def path_root(node: Node) -> Node:
+    """The root above ``node`` (its ``extra_key`` is the node's namespace)."""
+    while node.parent is not None:
+        node = node.parent
+    return node
 
 
 @dataclasses.dataclass(slots=True)

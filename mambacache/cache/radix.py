@@ -36,6 +36,7 @@ Semantics (and the fixes versus SGLang's ``MambaRadixCache``):
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,9 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         self._locked_pages = 0  # pages of nodes with full_lock_ref > 0
         self._locked_slots = 0  # slots of nodes with mamba_lock_ref > 0
         self._locked_spec = 0  # of those, speculative ones
+        # called with a node whose firm state (and the KV of its path) eviction is about to
+        # drop, before any id is freed: the host tier's demotion (``cache/host_tier.py``)
+        self.evict_hook: Callable[[Node], None] | None = None
 
     # --------------------------------------------------------------------------- counts
     def evictable_pages(self) -> int:
@@ -99,12 +103,16 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         out["tree_nodes"] = len(self.lru_all)
         out["tree_states"] = len(self.lru_state)
         out["tree_speculative_states"] = len(self.lru_spec)
+        if self.host_tier is not None:
+            out.update(self.host_tier.stats())
         return out
 
     def check_integrity(self) -> None:
         """Rebuild every count and both orders from the tree and compare (``AssertionError``)."""
         check_tree(self)
         self._check_accounting()
+        if self.host_tier is not None:
+            self.host_tier.check()
 
     # --------------------------------------------------------------------------- walking
     def _walk(self, root: Node, tokens: np.ndarray, limit: int):
@@ -213,6 +221,36 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
                 return MatchResult(node.depth, pages, node.slot, node, shared_end)
         return MatchResult(0, _EMPTY, None, root, shared_end)
 
+    def peek(self, prompt_ids, extra_key: Any = None) -> int:
+        """The ``cached_len`` that ``match_prefix`` would return, with no side effect (no
+        refresh, no promotion, no tuner record)."""
+        tokens = as_tokens(prompt_ids)
+        root = self.roots.get(extra_key)
+        if root is None or len(tokens) == 0:
+            return 0
+        path, _, _, _ = self._walk(root, tokens, len(tokens) // self.page_size * self.page_size)
+        for node in reversed(path):
+            if node.slot is not None and node.depth <= len(tokens) - 1:
+                return node.depth
+        return 0
+
+    def locate(self, token_ids, extra_key: Any = None) -> tuple[int, np.ndarray, Node | None]:
+        """``(shared_len, page_ids, end)``: how many tokens of ``token_ids`` (a page multiple)
+        have their KV in the tree, the tree's pages of them, and the node ending exactly at
+        ``len(token_ids)`` (``None`` if none). Read-only."""
+        tokens = as_tokens(token_ids)
+        root = self.roots.get(extra_key)
+        if root is None:
+            return 0, _EMPTY, None
+        limit = len(tokens) // self.page_size * self.page_size
+        path, shared, partial, partial_len = self._walk(root, tokens, limit)
+        parts = [n.pages for n in path]
+        if partial is not None:
+            parts.append(partial.pages[:partial_len // self.page_size])
+        pages = np.concatenate(parts) if parts else _EMPTY
+        end = path[-1] if path and partial is None and path[-1].depth == len(tokens) else None
+        return shared, pages, end
+
     # --------------------------------------------------------------------------- locks
     def lock(self, node: Node) -> None:
         """Protect ``node``'s state and the KV of its path to the root until ``unlock``."""
@@ -283,8 +321,14 @@ def config_budget(cache_cfg: Any) -> ByteBudget | None:
 
 
 def make_cache_from_config(cache_cfg: Any, **policy_kwargs: Any) -> CacheBase:
-    """``make_cache`` from a ``mambacache.config.CacheConfig`` (all of its cache keys)."""
-    return make_cache(cache_cfg.enable, cache_cfg.num_pages, cache_cfg.num_mamba_slots,
-                      cache_cfg.page_size, cache_cfg.eviction,
-                      speculative_states=getattr(cache_cfg, "speculative_states", True),
-                      budget=config_budget(cache_cfg), **policy_kwargs)
+    """``make_cache`` from a ``mambacache.config.CacheConfig`` (all of its cache keys; a host
+    tier behind it when ``host_memory_bytes`` is set: ``cache/host_tier.py``)."""
+    from mambacache.cache.host_tier import attach_host_tier
+
+    cache = make_cache(cache_cfg.enable, cache_cfg.num_pages, cache_cfg.num_mamba_slots,
+                       cache_cfg.page_size, cache_cfg.eviction,
+                       speculative_states=getattr(cache_cfg, "speculative_states", True),
+                       budget=config_budget(cache_cfg), **policy_kwargs)
+    attach_host_tier(cache, getattr(cache_cfg, "host_memory_bytes", 0),
+                     cache_cfg.kv_bytes_per_token * cache_cfg.page_size, cache_cfg.state_bytes)
+    return cache

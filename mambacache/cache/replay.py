@@ -3,9 +3,10 @@
 ``replay(cache, requests)`` drives each request as the engine does: ``match_prefix`` -> ``lock``
 -> running slot + KV pages (``alloc_*``, evicting under pressure) -> ``plan_snapshots`` +
 ``assign_snapshot_slots`` -> at its finish ``insert`` (the tokens the model processed, the
-planned snapshots, the running slot as the end snapshot when aligned) -> ``unlock``. Up to
-``concurrency`` requests are in flight, admitted in order, the oldest finishing first; a request
-that does not fit waits for it, one that can never fit is dropped and counted.
+planned snapshots, the running slot as the end snapshot when aligned) -> ``unlock``; with a host
+tier (``cache/host_tier.py``), ``promote`` before the match. Up to ``concurrency`` requests are
+in flight, admitted in order, the oldest finishing first; a request that does not fit waits for
+it, one that can never fit is dropped and counted.
 
 A request is ``(prompt, tokens)``: ``int32`` arrays, ``tokens`` = prompt + output[:-1] (the last
 sampled token is never fed to the model). Used by the ``flop_aware`` tuner's shadow caches
@@ -30,6 +31,8 @@ from mambacache.cache.snapshot_plan import (
 def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interval: int):
     """Match, lock, running slot, pages, planned snapshots; None if the pools are short."""
     ps = cache.page_size
+    if cache.host_tier is not None:  # host-resident KV and state deeper than the device's
+        cache.host_tier.promote(prompt)
     m = cache.match_prefix(prompt)
     cache.lock(m.node)
     slot = cache.alloc_slots(1)
@@ -61,7 +64,8 @@ def replay(cache: Any, requests: list[tuple[np.ndarray, np.ndarray]],
            checkpoint_interval: int = 0, concurrency: int = 1,
            scored_from: int = 0) -> dict[str, int]:
     """Run ``requests`` through ``cache``; ``{"prompt_tokens", "cached_tokens", "dropped"}``
-    counted over ``requests[scored_from:]`` (the ones before only warm the cache up)."""
+    counted over ``requests[scored_from:]`` (the ones before only warm the cache up); with a
+    host tier (``cache.host_tier``) also ``host_hit_tokens`` (promoted, over all requests)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     queue, running = deque(enumerate(requests)), deque()
@@ -83,6 +87,8 @@ def replay(cache: Any, requests: list[tuple[np.ndarray, np.ndarray]],
         if running:
             tokens, m, slot, pages, snaps = running.popleft()
             _finish(cache, tokens, m, slot, pages, snaps)
+    if cache.host_tier is not None:
+        out["host_hit_tokens"] = cache.host_tier.counters["host_hit_tokens"]
     return out
 
 
