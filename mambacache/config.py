@@ -99,9 +99,12 @@ class CacheConfig:
     state_bytes: int = 0
     kv_bytes_per_token: int = 0
     host_memory_bytes: int = 0
+    running_share: float = 0.5
 
     def __post_init__(self):
         _positive("cache.page_size", self.page_size)
+        _require(isinstance(self.running_share, int | float) and 0 < self.running_share <= 1,
+                 f"cache.running_share must be in (0, 1], got {self.running_share!r}")
         _require(isinstance(self.speculative_states, bool),
                  f"cache.speculative_states must be a bool, got {self.speculative_states!r}")
         for name in ("memory_bytes", "state_bytes", "kv_bytes_per_token", "host_memory_bytes"):

@@ -140,7 +140,7 @@ def test_config_budget_builds_a_shared_cache():
     cfg = CacheConfig(memory_bytes=200, state_bytes=SLOT_B, kv_bytes_per_token=PAGE_B,
                       num_kv_tokens=16, num_mamba_slots=4)
     cache = make_cache_from_config(cfg)
-    assert cache.budget == ByteBudget(200, PAGE_B, SLOT_B)
+    assert cache.budget == ByteBudget(200, PAGE_B, SLOT_B, running_share=0.5)
     assert make_cache_from_config(CacheConfig()).budget is None
 
 

@@ -9,13 +9,15 @@ the engine without a model, ``concurrency`` requests in flight, the oldest finis
 
 * ``shared``: ``CacheConfig()`` with ``cache.memory_bytes`` = the budget and no split: KV pages
   and states draw on one byte budget (``cache/budget.py``), evicted in one order (``eviction =
-  "auto"``: tuned ``flop_aware``);
+  "auto"``: tuned ``flop_aware``), the engine's admission back-pressure on (``cache.running_share``
+  0.5: while others run, a request starts only if the running requests' own bytes stay within
+  half of the budget);
 * ``defaults``: ``CacheConfig()`` with two fixed pools, half of the bytes to states (the table
   before the shared budget);
 * ``best_split``: the same fixed pools at the best state share of 0.1, 0.2, ... 0.9
   (``split_share`` says which; ``splits`` has them all);
 * ``lru_shared``: a plain LRU tree over one shared byte pool, states only at branch points and
-  request ends (Marconi's "SGLang+" baseline);
+  request ends, no admission cap (Marconi's "SGLang+" baseline);
 * ``baseline``: LRU, states only at branch points and request ends, fixed pools split in half;
 * ``host``: the shared budget with a host tier of each ``--host-budgets`` size behind it
   (``cache/host_tier.py``: device eviction demotes to host memory, a match promotes back);
@@ -152,7 +154,8 @@ def budget_row(records: list[dict[str, list[int]]], gib: float, concurrency: int
             "shared": _run(shared, requests, concurrency, total),
             "defaults": splits.get(0.5, 0.0), "best_split": splits[best], "split_share": best,
             "splits": splits,
-            "lru_shared": _run(cfg(None, {f"cache.{k}": v for k, v in plain.items()}),
+            "lru_shared": _run(cfg(None, {f"cache.{k}": v
+                                          for k, v in {**plain, "running_share": 1.0}.items()}),
                                requests, concurrency, total),
             "baseline": _run(dataclasses.replace(half, **plain), requests, concurrency, total),
             "oracle": replay(oracle, requests, 0, concurrency)["cached_tokens"] / total,

@@ -39,12 +39,16 @@ class ByteBudget:
     limit_bytes: int
     page_bytes: int
     slot_bytes: int
+    running_share: float = 1.0  # 1.0: no admission cap
 
     def __post_init__(self):
         for name in ("limit_bytes", "page_bytes", "slot_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ByteBudget.{name} must be a positive int, got {value!r}")
+        if not 0 < self.running_share <= 1:
+            raise ValueError(f"ByteBudget.running_share must be in (0, 1], got "
+                             f"{self.running_share!r}")
         if self.limit_bytes < self.page_bytes + self.slot_bytes:
             raise ValueError(
                 f"a budget of {self.limit_bytes} bytes cannot hold one KV page "
@@ -59,6 +63,16 @@ class ByteBudget:
     def num_slots(self) -> int:
         """Slot ids: as many slots as fit next to one KV page."""
         return (self.limit_bytes - self.page_bytes) // self.slot_bytes
+
+    def request_bytes(self, num_pages: int) -> int:
+        """Bytes a running request holds of its own: ``num_pages`` pages and its running slot."""
+        return num_pages * self.page_bytes + self.slot_bytes
+
+    def admits(self, running_bytes: int, new_bytes: int) -> bool:
+        """Whether a request of ``new_bytes`` (``request_bytes``) may start next to running
+        requests holding ``running_bytes`` (call it only while some run): within
+        ``running_share`` of the budget."""
+        return running_bytes + new_bytes <= self.running_share * self.limit_bytes
 
 
 def budget_from_fraction(device_bytes: int, weight_bytes: int, peak_step_bytes: int,

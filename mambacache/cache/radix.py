@@ -317,7 +317,8 @@ def config_budget(cache_cfg: Any) -> ByteBudget | None:
     kv, state = getattr(cache_cfg, "kv_bytes_per_token", 0), getattr(cache_cfg, "state_bytes", 0)
     if not (limit and kv and state):
         return None
-    return ByteBudget(limit, kv * cache_cfg.page_size, state)
+    return ByteBudget(limit, kv * cache_cfg.page_size, state,
+                      float(getattr(cache_cfg, "running_share", 1.0)))
 
 
 def make_cache_from_config(cache_cfg: Any, **policy_kwargs: Any) -> CacheBase:

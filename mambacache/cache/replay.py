@@ -6,7 +6,10 @@
 planned snapshots, the running slot as the end snapshot when aligned) -> ``unlock``; with a host
 tier (``cache/host_tier.py``), ``promote`` before the match. Up to ``concurrency`` requests are
 in flight, admitted in order, the oldest finishing first; a request that does not fit waits for
-it, one that can never fit is dropped and counted.
+it, one that can never fit is dropped and counted. With a byte budget, the engine's admission
+back-pressure holds too (``ByteBudget.admits``: while others run, a request starts only if the
+running requests' own bytes stay within the budget's ``running_share``); a request allocates all
+its pages at admission here, so they count then.
 
 A request is ``(prompt, tokens)``: ``int32`` arrays, ``tokens`` = prompt + output[:-1] (the last
 sampled token is never fed to the model). Used by the ``flop_aware`` tuner's shadow caches
@@ -28,16 +31,22 @@ from mambacache.cache.snapshot_plan import (
 )
 
 
-def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interval: int):
-    """Match, lock, running slot, pages, planned snapshots; None if the pools are short."""
+def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interval: int,
+           running_bytes: int | None = None):
+    """Match, lock, running slot, pages, planned snapshots; None if the pools are short, or
+    (``running_bytes`` of requests in flight given) the budget's admission cap holds it back."""
     ps = cache.page_size
     if cache.host_tier is not None:  # host-resident KV and state deeper than the device's
         cache.host_tier.promote(prompt)
     m = cache.match_prefix(prompt)
+    num_pages = -(-len(tokens) // ps) - m.cached_len // ps
+    budget = getattr(cache, "budget", None)
+    if running_bytes is not None and budget is not None \
+            and not budget.admits(running_bytes, budget.request_bytes(num_pages)):
+        return None
     cache.lock(m.node)
     slot = cache.alloc_slots(1)
-    pages = cache.alloc_pages(-(-len(tokens) // ps) - m.cached_len // ps) \
-        if slot is not None else None
+    pages = cache.alloc_pages(num_pages) if slot is not None else None
     if pages is None:
         if slot is not None:
             cache.free_slots(slot)
@@ -68,24 +77,30 @@ def replay(cache: Any, requests: list[tuple[np.ndarray, np.ndarray]],
     host tier (``cache.host_tier``) also ``host_hit_tokens`` (promoted, over all requests)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    budget = getattr(cache, "budget", None)
     queue, running = deque(enumerate(requests)), deque()
     out = {"prompt_tokens": 0, "cached_tokens": 0, "dropped": 0}
+    running_bytes = 0  # own pages + running slots of the requests in flight (with a budget)
     while queue or running:
         while queue and len(running) < concurrency:
             i, (prompt, tokens) = queue[0]
-            got = _admit(cache, prompt, tokens, checkpoint_interval)
+            got = _admit(cache, prompt, tokens, checkpoint_interval,
+                         running_bytes if running else None)
             if got is None and running:
                 break
             queue.popleft()
             if got is None:
                 out["dropped"] += i >= scored_from
                 continue
-            running.append((tokens, *got))
+            own = budget.request_bytes(len(got[2]) - len(got[0].page_ids)) if budget else 0
+            running_bytes += own
+            running.append((own, tokens, *got))
             if i >= scored_from:
                 out["prompt_tokens"] += len(prompt)
                 out["cached_tokens"] += got[0].cached_len
         if running:
-            tokens, m, slot, pages, snaps = running.popleft()
+            own, tokens, m, slot, pages, snaps = running.popleft()
+            running_bytes -= own
             _finish(cache, tokens, m, slot, pages, snaps)
     if cache.host_tier is not None:
         out["host_hit_tokens"] = cache.host_tier.counters["host_hit_tokens"]

@@ -56,12 +56,13 @@ class AlphaTuner:
 
     def record_match(self, prompt: np.ndarray) -> bool:
         """A request was admitted with ``prompt``; True when it is time to ``tune``. A prompt
-        matched again before it finished (an admission that found the pools short and retries)
-        counts once."""
+        matched again before it finished (an admission that found the pools short, or held
+        back by the budget's admission cap, retries every step) counts once."""
         pend = self.pending
-        if not any(p is prompt for p in pend) and not (
+        if any(p is prompt for p in pend) or (
                 pend and len(pend[-1]) == len(prompt) and np.array_equal(pend[-1], prompt)):
-            pend.append(prompt)
+            return False
+        pend.append(prompt)
         self.inflight.append(len(self.pending))
         self.matches += 1
         return self.matches % self.every == 0 and len(self.requests) >= self.window // 2

@@ -7,7 +7,9 @@ positions of ``snapshot_plan.plan_snapshots`` plus the in-batch dedup positions 
 ``dedup.shared_with_waiting``, with slots). Verdicts: "ok" (the lease holds its lock, running
 slot and snapshot slots; the scheduler moves the request to the running list), "defer" (a
 running prefill will publish a longer shared prefix: ``dedup.inflight_branch``) or "full"
-(back-pressure). Nothing is held unless "ok".
+(back-pressure: the pools are short, or with a byte budget the running requests' own bytes
+would pass its ``running_share``, ``CacheManager.holds_back``; never while nothing runs, so a
+request that fits the pools alone always starts). Nothing is held unless "ok".
 
 Host only, no JAX; called once per examined waiting request, so its cost is per admission:
 numpy only where an array is the result (page ids), no per-token Python work.
@@ -27,6 +29,8 @@ def admit(manager: CacheManager, req: Request, running: Sequence[Request],
           waiting: Iterable[Request]) -> str:
     """Try to start ``req``: "ok", "defer" or "full" (see the module docstring)."""
     m = manager.match(req.token_ids, req.extra_key)
+    if manager.holds_back(running, m, req.prompt_len + len(req.output_ids)):
+        return "full"  # the budget's running share: wait for a running request to finish
     branch_len = inflight_branch(manager, req, running, m.cached_len, m.branch_len)
     if branch_len is None:
         return "defer"

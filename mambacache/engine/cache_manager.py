@@ -69,6 +69,21 @@ class CacheManager:
     def is_page_boundary(self, n: int) -> bool:
         return n % self.page_size == 0
 
+    # ---- admission back-pressure -------------------------------------------------------------
+    def holds_back(self, running: Sequence[Request], m: MatchResult, num_tokens: int) -> bool:
+        """[byte budget] The budget's ``running_share`` holds back a request of ``num_tokens``
+        tokens matched at ``m``: requests run, and their own bytes plus its own would pass that
+        share (``ByteBudget.admits``). A request's own bytes: its running slot and the pages of
+        its known tokens past the prefix it hit (``cached_tokens``), allocated or still to come
+        (the prefill's published pages stay locked under it). No mutation."""
+        b = self.cache.budget
+        if b is None or b.running_share >= 1 or not running:
+            return False
+        ps = self.page_size
+        held = sum(b.request_bytes(-(-r.num_tokens // ps) - r.cached_tokens // ps)
+                   for r in running)
+        return not b.admits(held, b.request_bytes(self.pages_for(num_tokens) - len(m.page_ids)))
+
     # ---- lookups -----------------------------------------------------------------------------
     def match(self, tokens: np.ndarray, extra_key: str | None) -> MatchResult:
         """The longest cached prefix of ``tokens`` with a state (no mutation but recency)."""
