@@ -99,11 +99,15 @@ class Request:
     first_token_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
+    #: ``params.constraint``'s grammar state (``logit_controls.ConstraintMatcher``), or None
+    matcher: Any = None
     #: the prompt's int32 bytes (prefix comparisons by slicing, without numpy calls)
     prompt_bytes = _PromptBytes()
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.prompt)  # read per row of every step: an attribute
+        if self.matcher is None and self.params.constraint is not None:
+            self.matcher = self.params.constraint.matcher()
 
     @property
     def token_ids(self) -> np.ndarray:

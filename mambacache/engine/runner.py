@@ -30,6 +30,7 @@ from mambacache.engine.buckets import (
 )
 from mambacache.engine.compiles import CompileCounter
 from mambacache.engine.drafters import mtp_inputs
+from mambacache.engine.logit_controls import controls_for
 from mambacache.engine.pools import PoolState
 from mambacache.engine.sampling import SamplingBatch, sample
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, logit_rows
@@ -195,7 +196,8 @@ class ModelRunner:
         # about a third of the host's time per step, on the overlapped loop's critical path)
         batch = build_forward_batch(seqs, self.page_size, all_pages=self.num_drafts > 0,
                                     as_numpy=True, **shape.sizes())
-        sb = SamplingBatch.from_params(list(params), list(steps), shape.num_logits)
+        controls = controls_for(scheduled, shape.num_logits, self.model_cfg.vocab_size)
+        sb = SamplingBatch.from_params(list(params), list(steps), shape.num_logits, controls)
         self.program_keys.add(shape.key)
         prev = future_index(seqs, shape.num_tokens)
         extra = ()

@@ -2,6 +2,8 @@
 
 Each request draws with its own key, ``fold_in(key(seed), output_index)``, so a request's tokens
 do not depend on which other requests share its batch or on whether the cache served its prompt.
+Penalties and grammar masks (``engine/logit_controls.py``) change the logits a row samples from;
+the logprob returned is the model's own (before them), as vLLM's default reports it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mambacache.engine.logit_controls import LogitControls, apply_controls
 from mambacache.engine.sampling_params import SamplingParams
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -27,10 +30,11 @@ class SamplingBatch:
     top_p: jax.Array
     seed: jax.Array
     step: jax.Array  # index of the token being sampled within its request's output
+    controls: LogitControls | None = None  # penalties / masks; None: no row has any
 
     @classmethod
     def from_params(cls, params: list[SamplingParams | None], steps: list[int],
-                    num_rows: int) -> SamplingBatch:
+                    num_rows: int, controls: LogitControls | None = None) -> SamplingBatch:
         """Rows past ``len(params)`` (or ``None`` rows) are padding and sample greedily.
         Packing never raises for one row: ``SamplingParams`` bounds every field, and ``top_k`` is
         clipped to int32 regardless (a top_k at or past the vocabulary is no limit), so a row
@@ -45,7 +49,8 @@ class SamplingBatch:
                 temp[i], top_p[i], seed[i] = p.temperature, p.top_p, p.seed
                 top_k[i] = min(max(int(p.top_k), 0), INT32_MAX)
                 step[i] = steps[i]
-        return cls(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
+        return cls(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step,
+                   controls=controls)
 
 
 def _sample_row(logits: jax.Array, temp, top_k, top_p, seed, step):
@@ -74,10 +79,16 @@ def _greedy_rows(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 def sample(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     """logits ``[L, V]`` -> tokens int32 ``[L]``, logprobs float32 ``[L]``. A step whose rows
     are all greedy (temperature 0) skips the per-row sort of the vocabulary (``lax.cond`` on
-    the device: one program either way); its tokens and logprobs are the same."""
+    the device: one program either way); its tokens and logprobs are the same. With
+    ``sb.controls`` the rows sample from the controlled logits; logprobs are the raw logits'."""
     logits = logits.astype(jnp.float32)
 
     def full(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         return jax.vmap(_sample_row)(x, sb.temperature, sb.top_k, sb.top_p, sb.seed, sb.step)
 
-    return jax.lax.cond(jnp.all(sb.temperature <= 0), _greedy_rows, full, logits)
+    if sb.controls is None:
+        return jax.lax.cond(jnp.all(sb.temperature <= 0), _greedy_rows, full, logits)
+    controlled = apply_controls(logits, sb.controls)
+    tokens, _ = jax.lax.cond(jnp.all(sb.temperature <= 0), _greedy_rows, full, controlled)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]

@@ -23,6 +23,9 @@ TOP_K_LIMIT = 1 << 20
 SEED_LIMIT = 1 << 31
 MAX_STOP_TOKEN_IDS = 1024
 TOKEN_ID_MAX = (1 << 31) - 1  # stop token ids fit int32 (the vocabulary check is the engine's)
+#: presence / frequency penalties in [-2, 2] (OpenAI's range); repetition in (0, 2] (SGLang's)
+PENALTY_LIMIT = 2.0
+REPETITION_PENALTY_LIMIT = 2.0
 
 
 def _show(value: Any) -> str:
@@ -65,7 +68,15 @@ class SamplingParams:
     """How one request samples. ``temperature == 0`` is greedy; ``top_k == 0`` means no limit.
 
     Limits: ``max_new_tokens`` in [1, 2^20], ``temperature`` in [0, 100], ``top_k`` in
-    [0, 2^20], ``top_p`` in (0, 1], ``seed`` in [0, 2^31), at most 1024 ``stop_token_ids``.
+    [0, 2^20], ``top_p`` in (0, 1], ``seed`` in [0, 2^31), at most 1024 ``stop_token_ids``,
+    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` in (0, 2].
+
+    Penalties (``engine/logit_controls.py``, on the device, before temperature): a token seen in
+    the prompt or the output has its logit divided by ``repetition_penalty`` if positive,
+    multiplied by it otherwise; a token seen ``c`` times in the output loses
+    ``frequency_penalty * c + presence_penalty * (c > 0)``. ``constraint``: a
+    ``logit_controls.TokenConstraint`` (a grammar: only the tokens it allows are sampled; the
+    request stops when it is complete). Logprobs stay the model's (before penalties and masks).
     """
 
     max_new_tokens: int = 16
@@ -75,6 +86,10 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    constraint: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         fields = {
@@ -86,9 +101,32 @@ class SamplingParams:
             "seed": as_int("seed", self.seed, 0, SEED_LIMIT - 1),
             "stop_token_ids": as_token_ids("stop_token_ids", self.stop_token_ids,
                                            MAX_STOP_TOKEN_IDS),
+            "presence_penalty": as_float("presence_penalty", self.presence_penalty,
+                                         -PENALTY_LIMIT, PENALTY_LIMIT),
+            "frequency_penalty": as_float("frequency_penalty", self.frequency_penalty,
+                                          -PENALTY_LIMIT, PENALTY_LIMIT),
+            "repetition_penalty": as_float("repetition_penalty", self.repetition_penalty,
+                                           0.0, REPETITION_PENALTY_LIMIT, lo_open=True),
         }
+        if self.constraint is not None and not callable(
+                getattr(self.constraint, "matcher", None)):
+            raise ValueError(f"constraint must have a matcher() method (a TokenConstraint), got "
+                             f"{type(self.constraint).__name__}")
         if not isinstance(self.ignore_eos, bool | np.bool_):
             raise ValueError(f"ignore_eos must be a bool, got {_show(self.ignore_eos)}")
         fields["ignore_eos"] = bool(self.ignore_eos)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """Sampling reads the tokens so far on the host (penalties, a constraint): no row of this
+        request is dispatched while a sampled token is still on the device [overlap], and it
+        takes no speculative verify rows."""
+        return self.constraint is not None or self.penalized

@@ -107,8 +107,11 @@ class Scheduler:
         for req in [r for r in self.running if r.lease.prefilled]:
             if req.num_outputs >= req.params.max_new_tokens:
                 continue  # [overlap] its last token is in flight: it finishes when read
+            if req.num_pending and req.params.needs_history:
+                continue  # [overlap] penalties / grammar read its last token on the host first
             if req.status is Status.RUNNING and self._grow_or_preempt(req, req.num_tokens):
-                verify = self.speculative and self.speculative.plan(req)
+                verify = (self.speculative and not req.params.needs_history
+                          and self.speculative.plan(req))
                 out[req.request_id] = verify or self._decode_scheduled(req)
         budget = self.cfg.scheduler.chunked_prefill_size
         for req in [r for r in self.running if not r.lease.prefilled]:

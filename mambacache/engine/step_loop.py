@@ -236,6 +236,8 @@ class StepLoop:
         if req.first_token_s is None:
             req.first_token_s = now
         reason = self.finish_reason(req, token, len(req.output_ids))
+        if req.matcher is not None:
+            reason = self.constraint_reason(req, token) or reason
         if reason is None:
             return None
         e = self.engine
@@ -252,6 +254,15 @@ class StepLoop:
         if num_out >= p.max_new_tokens:
             return "length"
         return None
+
+    @staticmethod
+    def constraint_reason(req: Request, token: int) -> str | None:
+        """Advance ``req``'s grammar by ``token``: "stop" once it is complete, "error" if it
+        refuses the token (the mask allowed only tokens it accepts)."""
+        if not req.matcher.accept(token):
+            req.error = f"the constraint refused token {token}"
+            return "error"
+        return "stop" if req.matcher.done else None
 
     def _flush_slot_copies(self) -> None:
         """[speculative] Copy scratch end states into the running slots the tree adopted, before
