@@ -307,3 +307,123 @@ def test_tool_call_round_trips_through_the_openai_client(srv, client, monkeypatc
     assert lenient.IGNORED_HEADER not in raw.headers  # tools and tool_calls are read
     assert raw.parse().choices[0].message.tool_calls is None  # plain text: no call
     srv.wait_idle()
+
+
+# ---- penalties, structured output, forced tool calls, /generate n (issue 31) ---------------
+BOUNDED = {"type": "object", "additionalProperties": False,
+           "required": ["color", "ok", "size"],
+           "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                          "size": {"enum": [1, 2, 3]}}}
+
+
+def _valid(text: str) -> bool:
+    """``text`` is JSON of the ``BOUNDED`` schema (checked by hand: no jsonschema in the venv)."""
+    obj = json.loads(text)
+    return (set(obj) == {"color", "ok", "size"} and obj["color"] in ("red", "green", "blue")
+            and isinstance(obj["ok"], bool) and obj["size"] in (1, 2, 3))
+
+
+def test_penalties_are_accepted_everywhere_and_bounded(srv, client):
+    kw = dict(model=MODEL, max_tokens=4, temperature=0.0, presence_penalty=1.5,
+              frequency_penalty=-0.5, extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    assert client.completions.create(prompt="penalised", **kw).usage.completion_tokens == 4
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+    assert chat.choices[0].finish_reason == "length"
+    sp = {"max_new_tokens": 4, "temperature": 0, "presence_penalty": 1.5,
+          "repetition_penalty": 1.3, "ignore_eos": True}
+    r = httpx.post(f"{srv.url}/generate", json={"text": "penalised", "sampling_params": sp},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+    for url, body, param, words in [
+            ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty",
+             ["2"]),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "frequency_penalty": -3}, "frequency_penalty", ["-2"]),
+            ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+             ["0"]),
+            ("/generate", {"text": "x", "sampling_params": {"repetition_penalty": 2.5}},
+             "sampling_params.repetition_penalty", ["2"])]:
+        r = httpx.post(srv.url + url, json=body, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (url, r.text)
+        assert all(w in err["message"] for w in words), err["message"]
+
+
+def test_json_schema_output_validates_every_time_streamed_or_not(srv, client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": BOUNDED}}
+    messages = [{"role": "user", "content": "Pick a colour."}]
+    for seed in range(4):
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60,
+                                             temperature=1.0, seed=seed, response_format=fmt)
+        assert out.choices[0].finish_reason == "stop" and _valid(out.choices[0].message.content)
+        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60,
+                                                temperature=1.0, seed=seed, response_format=fmt,
+                                                stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == out.choices[0].message.content and _valid(text)
+    r = httpx.post(f"{srv.url}/generate", timeout=60, json={
+        "text": "json:", "sampling_params": {"json_schema": json.dumps(BOUNDED),
+                                             "max_new_tokens": 60, "sampling_seed": 5}})
+    assert _valid(r.json()["text"]), r.text
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30, json={
+        "messages": messages, "response_format": {"type": "json_schema",
+                                                  "json_schema": {"schema": {"type": 3}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("response_format")
+
+
+def test_forced_tool_call_round_trips_streamed_and_not(srv, client):
+    """``tool_choice`` "required" / named: the random model's answer is a valid call (its
+    arguments follow the function's schema); streamed, the calls come as OpenAI's deltas."""
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": BOUNDED}},
+             {"type": "function", "function": {"name": "noop", "parameters": {
+                 "type": "object", "properties": {}, "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "Paint something."}]
+    named = {"type": "function", "function": {"name": "paint"}}
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                         tool_choice=named, max_tokens=120, temperature=1.0,
+                                         seed=1)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "paint" and _valid(call.function.arguments)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                            tool_choice="required", max_tokens=120,
+                                            temperature=1.0, seed=2, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for c in stream:
+        for ch in c.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or ():
+                got = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                got["name"] += (d.function.name or "") if d.function else ""
+                got["arguments"] += (d.function.arguments or "") if d.function else ""
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["id"]
+    assert calls[0]["name"] in ("paint", "noop")
+    args = json.loads(calls[0]["arguments"])
+    assert _valid(calls[0]["arguments"]) if calls[0]["name"] == "paint" else args == {}
+    follow = messages + [choice.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+    again = client.chat.completions.create(model=MODEL, messages=follow, tools=tools,
+                                           max_tokens=3)
+    assert again.choices[0].message.tool_calls is None  # auto: free text, no call
+    srv.wait_idle()
+
+
+def test_generate_n_four_choices_compute_the_prompt_once(srv):
+    prompt = srv.tokenizer.encode("Four samples through /generate, computed once. " * 3)
+    body = {"input_ids": prompt, "sampling_params": {
+        "n": 4, "sampling_seed": 11, "temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True}}
+    srv.wait_idle()
+    before = srv.on_engine(lambda e: e.metrics()["computed_prefill_tokens"])
+    out = httpx.post(f"{srv.url}/generate", json=body, timeout=300).json()
+    computed = srv.on_engine(lambda e: e.metrics()["computed_prefill_tokens"]) - before
+    assert isinstance(out, list) and len(out) == 4
+    ids = [tuple(o["output_ids"]) for o in out]
+    assert len(set(ids)) > 1 and all(len(i) == 5 for i in ids)  # per-choice seeds
+    assert computed <= len(prompt) + 3, computed  # the prompt once; a sample recomputes <= 1
+    assert sum(o["meta_info"]["cached_tokens"] for o in out) >= 3 * (len(prompt) - 16)
+    again = httpx.post(f"{srv.url}/generate", json=body, timeout=300).json()
+    assert [tuple(o["output_ids"]) for o in again] == ids
+    srv.wait_idle()
+    srv.on_engine(lambda e: e.check_integrity())

@@ -89,6 +89,8 @@ def history_counts(req: Request) -> tuple[np.ndarray, np.ndarray]:
 def controls_for(scheduled: Sequence[ScheduledSeq], num_rows: int,
                  vocab_size: int) -> LogitControls | None:
     """The controls of a step (``None`` when no sampling row needs history)."""
+    if not any(s.req.params.needs_history for s in scheduled):
+        return None
     first = first_logit_row(scheduled)
     rows = []
     for s, row in zip(scheduled, first, strict=True):

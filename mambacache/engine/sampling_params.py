@@ -90,6 +90,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     constraint: Any = dataclasses.field(default=None, compare=False)
+    #: sampling reads the tokens so far on the host (penalties, a constraint): no row of this
+    #: request is dispatched while a sampled token is still on the device [overlap], and it
+    #: takes no speculative verify rows (set from the fields; read per row of every step)
+    needs_history: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         fields = {
@@ -117,6 +121,7 @@ class SamplingParams:
         fields["ignore_eos"] = bool(self.ignore_eos)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "needs_history", self.constraint is not None or self.penalized)
 
     @property
     def penalized(self) -> bool:
@@ -124,9 +129,3 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    @property
-    def needs_history(self) -> bool:
-        """Sampling reads the tokens so far on the host (penalties, a constraint): no row of this
-        request is dispatched while a sampled token is still on the device [overlap], and it
-        takes no speculative verify rows."""
-        return self.constraint is not None or self.penalized

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mambacache.engine.sampling_params import SamplingParams
-from mambacache.serve import choices, sglang_api, tool_calls
+from mambacache.serve import choices, sglang_api, structured, tool_calls
 from mambacache.serve.auth import Auth
 from mambacache.serve.engine_loop import EngineLoop
 from mambacache.serve.generation import ClientGone, Generation
@@ -77,7 +77,10 @@ class Server:
                 max_new_tokens=max_tokens or self.cfg.default_max_tokens,
                 temperature=float(req.temperature), top_k=max(req.top_k, 0), top_p=req.top_p,
                 seed=req.seed if req.seed is not None else secrets.randbelow(SEED_LIMIT),
-                stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=req.ignore_eos)
+                stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                constraint=structured.for_openai(self, req, chat))
         except ValueError as err:  # the protocol's bounds are the engine's: not expected
             field = str(err).split(" ", 1)[0]
             raise ApiError(http_names(str(err)), param=http_names(field)) from None
@@ -117,9 +120,15 @@ class Server:
         if top_n or echo:
             return JSONResponse(await scored_response(self, gen, shape, chat, top_n, echo),
                                 headers=ignored)
-        if chat and not req.stream and tool_calls.request_tools(req):  # calls out of the text
-            body = await self._collect(gen, shape, chat, want_lp)
-            return JSONResponse(tool_calls.apply(body), headers=ignored)
+        if chat and tool_calls.request_tools(req):  # calls out of the whole text
+            body = tool_calls.apply(await self._collect(gen, shape, chat, want_lp))
+            if not req.stream:
+                return JSONResponse(body, headers=ignored)
+            events = [sse(c) for c in tool_calls.stream_chunks(body, shape)]
+            if req.include_usage():
+                events.append(sse(shape.usage_chunk(body["usage"])))
+            return StreamingResponse(iter(events + [sse("[DONE]")]),
+                                     media_type="text/event-stream", headers=ignored)
         if req.stream:
             return StreamingResponse(self._events(gen, shape, chat, want_lp, req.include_usage()),
                                      media_type="text/event-stream", headers=ignored)

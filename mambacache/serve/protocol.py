@@ -2,10 +2,11 @@
 OpenAI-shaped HTTP 400 bodies that name the field and the limit.
 
 Every field the server reads is declared here, with the engine's
-bounds (``engine/sampling_params.py``), so a request the protocol accepts always packs. Fields
-OpenAI has but the engine cannot honour are accepted only at their neutral value (zero
-penalties), any other value is a 400. Top logprobs (up to ``TOP_LOGPROBS_LIMIT``) and
-``echo`` are served by ``scored_logprobs.py``.
+bounds (``engine/sampling_params.py``), so a request the protocol accepts always packs
+(penalties included: ``presence_penalty`` / ``frequency_penalty`` in [-2, 2],
+``repetition_penalty`` in (0, 2]). Top logprobs (up to ``TOP_LOGPROBS_LIMIT``) and
+``echo`` are served by ``scored_logprobs.py``; ``response_format`` and a forced
+``tool_choice`` by ``structured.py``.
 Unknown fields are kept aside (``extra="allow"``), never a 400: ``lenient.py`` logs them once
 per name and the response lists them in a header.
 """
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mambacache.engine.sampling_params import (
     MAX_NEW_TOKENS_LIMIT,
     MAX_STOP_TOKEN_IDS,
+    PENALTY_LIMIT,
+    REPETITION_PENALTY_LIMIT,
     SEED_LIMIT,
     TOKEN_ID_MAX,
     TOP_K_LIMIT,
@@ -71,8 +74,10 @@ class _Sampling(_Strict):
     n: int = Field(default=1, ge=1, le=N_LIMIT)  # n > 1: choices.py
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=REPETITION_PENALTY_LIMIT)
+    response_format: dict[str, Any] | None = None  # structured.py
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None

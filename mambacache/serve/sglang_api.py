@@ -4,7 +4,8 @@
 
 ``/generate`` takes ``text`` or ``input_ids`` (one prompt, or a batch: a list gives a list),
 ``sampling_params`` in SGLang's names (``max_new_tokens`` default 128, ``top_k`` -1 = no limit,
-``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``), ``stream`` and
+``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``, ``n`` (a list of n answers;
+the prompt computed once), the three penalties, ``json_schema`` / ``regex``), ``stream`` and
 ``return_logprob``. Its answer is SGLang's: ``text``, ``output_ids`` and ``meta_info``
 (``id``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``, ``finish_reason`` as
 ``{"type": "length", "length": n}`` / ``{"type": "stop", "matched": ...}`` / ``{"type":
@@ -19,6 +20,7 @@ same bounds (``protocol``) and the same lenient handling of unknown fields (``le
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -31,15 +33,19 @@ from pydantic import BeforeValidator, Field
 
 from mambacache.engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
+    PENALTY_LIMIT,
+    REPETITION_PENALTY_LIMIT,
     SEED_LIMIT,
     TEMPERATURE_LIMIT,
     TOP_K_LIMIT,
     SamplingParams,
 )
+from mambacache.serve import structured
 from mambacache.serve.engine_loop import Overloaded
 from mambacache.serve.generation import Generation
 from mambacache.serve.lenient import note_ignored
 from mambacache.serve.protocol import (
+    N_LIMIT,
     ApiError,
     MaxTokens,
     TokenId,
@@ -70,8 +76,13 @@ class SglSampling(_Strict):
                     BeforeValidator(_Sampling._at_most_max_stop_strings)] = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=N_LIMIT)
     sampling_seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=REPETITION_PENALTY_LIMIT)
+    json_schema: str | None = None  # structured.py
+    regex: str | None = None
 
     stop_strings = _Sampling.stop_strings  # the OpenAI routes' reading of ``stop``
 
@@ -117,7 +128,11 @@ def sampling_params(server: Any, sp: SglSampling) -> SamplingParams:
     seed = sp.sampling_seed if sp.sampling_seed is not None else secrets.randbelow(SEED_LIMIT)
     return SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
                           top_k=max(sp.top_k, 0), top_p=sp.top_p, seed=seed,
-                          stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=sp.ignore_eos)
+                          stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=sp.ignore_eos,
+                          presence_penalty=sp.presence_penalty,
+                          frequency_penalty=sp.frequency_penalty,
+                          repetition_penalty=sp.repetition_penalty,
+                          constraint=structured.for_sglang(server, sp))
 
 
 async def submit(server: Any, prompt: list[int], params: SamplingParams, param: str,
@@ -180,27 +195,36 @@ class SglResult:
 
 async def _start(server: Any, http: Request, req: GenerateRequest
                  ) -> tuple[list[SglResult], bool]:
+    """Submit every prompt's ``n`` samples (sample ``j``: seed + j) together, before the engine
+    thread's next step, so a prompt is computed once and its samples fork from its state
+    (``choices.py`` does the same for the OpenAI routes). ``n`` > 1 answers a list, as a batch
+    does: prompt ``i``'s sample ``j`` at ``i * n + j``."""
     prompts, batch = req.prompts(server.tokenizer)
     params = sampling_params(server, req.sampling_params)
+    n = req.sampling_params.n
     base = req.rid or secrets.token_hex(12)
     auth = getattr(server, "auth", None)  # tenants and cache_salt keep prefixes apart
     namespace = None if auth is None else auth.cache_namespace(
         http.headers.get("authorization"), req.cache_salt)
+    param = "input_ids" if req.text is None else "text"
+    jobs = [(prompt, dataclasses.replace(params, seed=(params.seed + j) % SEED_LIMIT))
+            for prompt in prompts for j in range(n)]
+    got = await asyncio.gather(*(submit(server, p, sp, param, namespace) for p, sp in jobs),
+                               return_exceptions=True)
+    failed = [g for g in got if isinstance(g, BaseException)]
+    if failed:
+        for g in got:  # nothing of a refused batch is left running
+            if not isinstance(g, BaseException):
+                server.loop.abort(g)
+        raise failed[0]
     results = []
-    for i, prompt in enumerate(prompts):
-        param = "input_ids" if req.text is None else "text"
-        try:
-            stream = await submit(server, prompt, params, param, namespace)
-        except ApiError:
-            for r in results:  # nothing of a refused batch is left running
-                server.loop.abort(r.gen.stream)
-            raise
+    for k, ((prompt, _), stream) in enumerate(zip(jobs, got, strict=True)):
         gen = Generation(server.loop, stream, server.tokenizer,
                          stops=req.sampling_params.stop_strings(), prompt_ids=prompt,
                          is_disconnected=None if req.stream else http.is_disconnected)
-        rid = base if len(prompts) == 1 else f"{base}-{i}"
+        rid = base if len(jobs) == 1 else f"{base}-{k}"
         results.append(SglResult(gen, rid, req.return_logprob))
-    return results, batch
+    return results, batch or n > 1
 
 
 async def _collect(result: SglResult) -> dict[str, Any]:

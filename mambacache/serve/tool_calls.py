@@ -10,7 +10,10 @@ Formats (inside ``<tool_call>`` ... ``</tool_call>``, any number of blocks):
 
 ``parse_tool_calls(text)`` returns the text outside the blocks (``None`` if only whitespace) and
 the calls; a block that parses as neither format stays in the text (never a silent drop).
-Pure functions: no server, no tokenizer.
+``stream_chunks`` streams a finished answer as OpenAI streams calls: the role, the content, then
+per call a delta with ``index``, ``id``, ``type`` and the function's name (arguments ``""``) and
+one with its arguments, then the finish reason. Pure functions: no server, no tokenizer
+(``tool_choice`` "required" / a named function is a grammar: ``structured.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -118,3 +122,22 @@ def apply(body: dict[str, Any]) -> dict[str, Any]:
             message["tool_calls"] = calls
             choice["finish_reason"] = "tool_calls"
     return body
+
+
+def stream_chunks(body: dict[str, Any], shape: Any) -> Iterator[dict[str, Any]]:
+    """The chunks of a non-streamed chat ``body`` (after ``apply``), ``shape`` a
+    ``responses.ResponseShape``: content as one delta, each call as OpenAI streams it."""
+    choice = body["choices"][0]
+    message = choice.get("message") or {}
+    yield shape.chunk(role=True)
+    if message.get("content"):
+        yield shape.chunk(text=message["content"], logprobs=choice.get("logprobs"))
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        fn = call["function"]
+        for delta in ({"index": i, "id": call["id"], "type": "function",
+                       "function": {"name": fn["name"], "arguments": ""}},
+                      {"index": i, "function": {"arguments": fn["arguments"]}}):
+            out = shape.chunk()
+            out["choices"][0]["delta"] = {"tool_calls": [delta]}
+            yield out
+    yield shape.chunk(finish_reason=choice["finish_reason"])
