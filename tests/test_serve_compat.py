@@ -217,7 +217,29 @@ def test_top_logprobs_and_echo_prompt_logprobs(srv, client):
     assert len(content) == 3 and all(len(c.top_logprobs) == 5 for c in content)
     assert all(c.top_logprobs[0].token == c.token for c in content)
     with pytest.raises(openai.BadRequestError, match="stream"):
-        client.completions.create(model=MODEL, prompt="x", logprobs=2, stream=True)
+        client.completions.create(model=MODEL, prompt="x", logprobs=2, stream=True, n=2)
+    # streamed: one chunk per token, the same text and logprobs as the whole answer
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "top"}], max_tokens=3, logprobs=True,
+        top_logprobs=5, stream=True, stream_options={"include_usage": True}, **greedy))
+    got = [c for ch in streamed if ch.choices and ch.choices[0].logprobs
+           for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in got] == [(c.token, c.logprob) for c in content]
+    assert [len(c.top_logprobs) for c in got] == [5, 5, 5]
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == \
+        chat.choices[0].message.content
+    assert streamed[-1].usage.completion_tokens == 3
+    plain = list(client.chat.completions.create(  # sampler logprobs only, streamed
+        model=MODEL, messages=[{"role": "user", "content": "top"}], max_tokens=3,
+        logprobs=True, stream=True, **greedy))
+    plain_lps = [c.logprob for ch in plain if ch.choices and ch.choices[0].logprobs
+                 for c in ch.choices[0].logprobs.content]
+    assert plain_lps == pytest.approx([c.logprob for c in content], abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                            logprobs=3, stream=True, **greedy))
+    tops = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.top_logprobs]
+    assert tops == lp.top_logprobs
     srv.wait_idle()
     srv.on_engine(lambda e: e.check_integrity())
 

@@ -34,6 +34,7 @@ from mambacache.serve.protocol import (
 )
 from mambacache.serve.responses import ResponseShape, chat_logprobs, completion_logprobs, sse
 from mambacache.serve.scored_logprobs import scored_response, scoring_request
+from mambacache.serve.scored_logprobs import stream_chunks as scored_stream_chunks
 from mambacache.serve.tokenizer import encode_chat
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the answer
@@ -99,7 +100,8 @@ class Server:
     async def generate(self, http: Request, chat: bool) -> Response:
         req = parse_request(await http.body(), ChatRequest if chat else CompletionRequest)
         ignored = note_ignored(req)  # unknown fields: logged once per name, listed in a header
-        top_n, echo = scoring_request(req, chat)  # top logprobs / echo: scored_logprobs.py
+        # top logprobs / echo: scored_logprobs.py
+        top_n, echo = scoring_request(req, chat, multi=choices.is_multi(req))
         if req.model is not None and req.model != self.model_name:
             raise ApiError(f"model {req.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", status=404,
@@ -118,17 +120,16 @@ class Server:
                          is_disconnected=None if req.stream else http.is_disconnected)
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         if top_n or echo:
-            return JSONResponse(await scored_response(self, gen, shape, chat, top_n, echo),
-                                headers=ignored)
+            body = await scored_response(self, gen, shape, chat, top_n, echo)
+            if not req.stream:
+                return JSONResponse(body, headers=ignored)
+            return self._replay(scored_stream_chunks(body, shape, chat), shape, body, req,
+                                ignored)
         if chat and tool_calls.request_tools(req):  # calls out of the whole text
             body = tool_calls.apply(await self._collect(gen, shape, chat, want_lp))
             if not req.stream:
                 return JSONResponse(body, headers=ignored)
-            events = [sse(c) for c in tool_calls.stream_chunks(body, shape)]
-            if req.include_usage():
-                events.append(sse(shape.usage_chunk(body["usage"])))
-            return StreamingResponse(iter(events + [sse("[DONE]")]),
-                                     media_type="text/event-stream", headers=ignored)
+            return self._replay(tool_calls.stream_chunks(body, shape), shape, body, req, ignored)
         if req.stream:
             return StreamingResponse(self._events(gen, shape, chat, want_lp, req.include_usage()),
                                      media_type="text/event-stream", headers=ignored)
@@ -136,6 +137,16 @@ class Server:
             return JSONResponse(await self._collect(gen, shape, chat, want_lp), headers=ignored)
         except ClientGone:  # nobody reads the answer; the request was aborted
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @staticmethod
+    def _replay(chunks: Any, shape: ResponseShape, body: dict[str, Any], req: Any,
+                headers: dict[str, str]) -> StreamingResponse:
+        """A finished answer's ``chunks`` as a stream (usage chunk if asked, ``[DONE]``)."""
+        events = [sse(c) for c in chunks]
+        if req.include_usage():
+            events.append(sse(shape.usage_chunk(body["usage"])))
+        return StreamingResponse(iter(events + [sse("[DONE]")]),
+                                 media_type="text/event-stream", headers=headers)
 
     def _logprobs(self, chat: bool, ids: list[int], lps: list[float], offset: int):
         if chat:

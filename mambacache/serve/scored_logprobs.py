@@ -6,7 +6,9 @@ engine thread (``engine/scoring.py``: every position it needs is computed, the r
 neither read nor changed), so a prompt's logprobs are the same whether its prefix was cached or
 not, and the output tokens' logprobs equal the sampler's (within float error). ``usage`` says
 what was recomputed: ``prompt_tokens_details.scored_tokens``. The first prompt token has no
-logprob (``null``). Streams: refused with a 400 for now (scoring runs after the generation).
+logprob (``null``). Streamed (one choice): the scored answer is sent as one chunk per token,
+text and logprobs together (``stream_chunks``), once scoring is done; several choices with top
+logprobs are refused in a stream (400).
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ from mambacache.serve.protocol import ApiError, ChatRequest, CompletionRequest
 Piece = Callable[[int], str]
 
 
-def scoring_request(req: CompletionRequest | ChatRequest, chat: bool) -> tuple[int, bool]:
-    """(top alternatives per token, echo) the request asks for; (0, False): no scoring."""
+def scoring_request(req: CompletionRequest | ChatRequest, chat: bool,
+                    multi: bool = False) -> tuple[int, bool]:
+    """(top alternatives per token, echo) the request asks for; (0, False): no scoring.
+    ``multi``: several choices (``n`` > 1 or a batch), which are not streamed with them."""
     if chat:
         top_n, echo = (req.top_logprobs or 0) if req.logprobs else 0, False
     else:
         top_n, echo = req.logprobs or 0, req.echo
-    if (top_n or echo) and req.stream:
-        raise ApiError("top logprobs and echo are not streamed by this server; send the "
-                       "request with stream false", param="stream")
+    if (top_n or echo) and req.stream and multi:
+        raise ApiError("top logprobs and echo of several choices are not streamed by this "
+                       "server; send the request with stream false or n 1", param="stream")
     return top_n, echo
 
 
@@ -87,3 +91,31 @@ async def scored_response(server: Any, gen: Any, shape: Any, chat: bool, top_n: 
     return shape.full(text=text, ids=ids, finish_reason=reason, usage_=usage,
                       prompt_ids=prompt, logprobs=logprobs)
 
+
+
+def stream_chunks(body: dict[str, Any], shape: Any, chat: bool) -> list[dict[str, Any]]:
+    """A scored (non-streamed) ``body`` as stream chunks: one per token with its text and
+    logprobs when the tokens' texts make up the text exactly (else one chunk with all of them),
+    then the finish reason."""
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    lp = choice["logprobs"]
+    entries = lp["content"] if chat else list(zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"], strict=True))
+    pieces = [e["token"] for e in entries] if chat else [e[0] for e in entries]
+    if "".join(pieces) != text:  # a character split over tokens: one chunk
+        pieces, groups = [text], [entries]
+    else:
+        groups = [[e] for e in entries]
+    chunks = []
+    ids = choice.get("token_ids") or []
+    for i, (piece, group) in enumerate(zip(pieces, groups, strict=True)):
+        if chat:
+            logprobs = {"content": group}
+        else:
+            tokens, values, tops, offsets = (list(x) for x in zip(*group, strict=True))
+            logprobs = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                        "text_offset": offsets}
+        part = ids[i:i + 1] if len(groups) == len(entries) == len(ids) else []
+        chunks.append(shape.chunk(text=piece, ids=part, logprobs=logprobs))
+    return chunks + [shape.chunk(finish_reason=choice["finish_reason"])]
