@@ -31,18 +31,23 @@ def _workload(rng: np.random.Generator):
     return reqs
 
 
-def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool):
+def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
+            host_tier: bool = False):
     page = int(rng.choice([1, 2, 4]))
     biggest = max(len(p) + n for p, n, _ in reqs)
     kv = (-(-biggest // page) + int(rng.integers(0, 12))) * page
     lose = bool(rng.random() < 0.3)
     fail_rng = np.random.default_rng(int(rng.integers(1 << 30)))
     read_rate = fail_rate / 4 if overlap else 0.0  # the synchronous loop never fails a read
+    tier = {}
+    if host_tier:  # a host tier of 1 to 200 pages of KV (states the size of 4 tokens' KV)
+        tier = {"cache.host_memory_bytes": int(rng.integers(1, 200)) * page + 4,
+                "cache.state_bytes": 4, "cache.kv_bytes_per_token": 1}
     return shadow_engine(
         runner_kwargs={"fail_step": lambda step: bool(fail_rng.random() < fail_rate),
                        "lose_pools_on_failure": lose,
                        "fail_read": lambda step: bool(fail_rng.random() < read_rate)},
-        **{"scheduler.overlap": overlap},
+        **{"scheduler.overlap": overlap}, **tier,
         **{"cache.page_size": page, "cache.num_kv_tokens": kv,
            "cache.num_mamba_slots": int(rng.integers(1, 18)),
            "cache.checkpoint_interval": int(rng.choice([0, 0, 4, 8])),
@@ -59,11 +64,12 @@ def _params(eng, rng: np.random.Generator, prompt: list[int], n: int) -> mc.Samp
     return mc.SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=(stop,))
 
 
-def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True) -> int:
+def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True,
+             host_tier: bool = False) -> int:
     """One random scenario to completion; returns the number of steps. Raises on any bug."""
     rng = np.random.default_rng(seed)
     reqs = _workload(rng)
-    eng = _engine(rng, reqs, fail_rate, overlap)
+    eng = _engine(rng, reqs, fail_rate, overlap, host_tier)
     todo = list(reqs)
     ids: dict[int, tuple[list[int], mc.SamplingParams]] = {}
     outs = []
@@ -83,9 +89,13 @@ def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True) -> int:
                          f"{eng.scheduler.describe()}")
 
 
+LAST: dict[str, int] = {}  # the last scenario's copies between the tiers
+
+
 def _check_outputs(eng, ids, outs, seed: int, steps: int) -> int:
     """Idle: also no leaked page or slot; every completed output is the oracle's."""
     eng.check_integrity()
+    LAST["transfers"] = eng.runner.transfers
     assert eng.in_flight is None  # idle: nothing left on the device to read
     for out in outs:
         if out.finish_reason in ("length", "stop"):
@@ -102,6 +112,17 @@ def _check_outputs(eng, ids, outs, seed: int, steps: int) -> int:
 def test_fuzz_engine(block, overlap):
     steps = sum(run_fuzz(seed, overlap=overlap) for seed in range(block, NUM_SEEDS, 4))
     assert steps > 200  # the scenarios really ran
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fuzz_host_tier(overlap):
+    """Demotions, promotions, aborts and failing steps with a host tier (the oracle checks every
+    copy between the tiers; integrity after every step, no leak when idle)."""
+    transfers = 0
+    for seed in range(200, 224):
+        run_fuzz(seed, overlap=overlap, host_tier=True)
+        transfers += LAST["transfers"]
+    assert transfers > 20  # the tier really moved states both ways
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -60,7 +60,7 @@ def test_eviction_demotes_and_a_match_promotes():
     assert not promote.to_host and len(promote.device_pages) == 31
     assert list(promote.tokens) == a + [7]
     assert cache.match_prefix(a + [7, 50]).cached_len == 31
-    assert tier.counters["host_hit_tokens"] == 31
+    assert tier.counters["tokens_promoted"] == 31
     cache.check_integrity()
     # a second eviction of the promoted prefix copies nothing: the host still has it
     before = len(seen)

@@ -113,3 +113,19 @@ def test_budget_run_reports_bytes_and_shares_them(tmp_path):
     with pytest.raises(ValueError, match="cannot hold one request of the context"):
         main(["--trace", str(trace), "--set", "cache.memory_bytes=1500", "--state-bytes",
               "400", "--kv-bytes-per-token", "20"])
+
+
+def test_host_tier_run_hits_more_on_the_same_device_budget(tmp_path):
+    """The simulator with a host tier (--set cache.host_memory_bytes): every copy between the
+    tiers checked by the shadow runner, more hits than the device budget alone."""
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, shared_prefix_trace(60, 6, 48, 8, output_len=3, vocab_size=100))
+    args = ["--trace", str(trace), "--set", "cache.memory_bytes=12000", "--state-bytes", "400",
+            "--kv-bytes-per-token", "20", "--set", "cache.page_size=4", "--concurrency", "3",
+            "--check-integrity"]
+    alone = main(args)
+    tier = main(args + ["--set", "cache.host_memory_bytes=40000"])
+    assert "host_hit_tokens" not in alone
+    assert tier["host_hit_tokens"] > 0 and tier["promotions"] > 0
+    assert tier["hit_rate"] > alone["hit_rate"]
+    assert 0 < tier["host_bytes_held"] <= 40000

@@ -23,7 +23,9 @@ requests or locked in the tree), and a few more. With a byte budget
 (``--set cache.memory_bytes=N``; sizes from ``model.preset``, a real-size one included, or
 ``--state-bytes B --kv-bytes-per-token B``) KV and states share the bytes, and the result adds
 ``state_bytes``, ``kv_bytes_per_token``, ``kv_bytes_held`` / ``state_bytes_held`` (final) and
-``peak_kv_bytes_held`` / ``peak_state_bytes_held`` / ``peak_bytes_held``.
+``peak_kv_bytes_held`` / ``peak_state_bytes_held`` / ``peak_bytes_held``. With a host tier
+(``--set cache.host_memory_bytes=N``) also ``host_hit_tokens``, bytes demoted / promoted and
+the host usage (``HOST_KEYS``).
 Trace helpers: ``shared_prefix_trace``, ``identical_prompt_trace``, ``write_trace``,
 ``load_trace``.
 """
@@ -151,7 +153,14 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
         "pages_evicted": stats["pages_evicted"],
         "peak_token_usage": m["peak_token_usage"],
         "peak_mamba_usage": m["peak_mamba_usage"],
+        **{k: m[k] for k in HOST_KEYS if k in m},  # [host tier] cache.host_memory_bytes
     }
+
+
+#: the host tier's result keys (``cache/host_tier.py``), with ``cache.host_memory_bytes``
+HOST_KEYS = ("host_hit_tokens", "tokens_promoted", "bytes_demoted", "bytes_promoted",
+             "demotions", "promotions", "demotions_skipped", "promotions_skipped",
+             "host_memory_bytes", "host_bytes_held", "host_usage")
 
 
 def budget_config(cfg: EngineConfig, requests: list[dict[str, list[int]]]) -> EngineConfig:

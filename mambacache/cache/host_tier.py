@@ -28,11 +28,13 @@ copies nothing). ``residency(tokens)`` answers for one prefix; ``check`` audits 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from mambacache.cache.allocator import TREE
 from mambacache.cache.budget import ByteBudget
 from mambacache.cache.node import Node, as_tokens, path_pages, path_root, path_tokens
 
@@ -69,9 +71,11 @@ class HostTier:
         self.host = MambaRadixCache(budget.num_pages, budget.num_slots, device.page_size,
                                     eviction, speculative_states=False, budget=budget)
         self.on_transfer: Callable[[Transfer], None] | None = None
-        self.counters = {"host_hit_tokens": 0, "bytes_demoted": 0, "bytes_promoted": 0,
-                         "demotions": 0, "promotions": 0, "demotions_skipped": 0,
-                         "promotions_skipped": 0}
+        # host seconds spent issuing copies (a promotion waits for pending demotions to land)
+        self.load_wait_s = 0.0
+        self.counters = {"host_hit_tokens": 0, "tokens_promoted": 0, "bytes_demoted": 0,
+                         "bytes_promoted": 0, "demotions": 0, "promotions": 0,
+                         "demotions_skipped": 0, "promotions_skipped": 0}
         device.evict_hook = self.demote
         device.host_tier = self
 
@@ -154,14 +158,16 @@ class HostTier:
             self.host.unlock(m.node)
         gained = host_len - on_device
         self.counters["promotions"] += 1
-        self.counters["host_hit_tokens"] += gained
+        self.counters["tokens_promoted"] += gained
         self.counters["bytes_promoted"] += len(new) * self.budget.page_bytes + \
             self.budget.slot_bytes
         return gained
 
     def _issue(self, transfer: Transfer) -> None:
         if self.on_transfer is not None:
+            t0 = time.perf_counter()
             self.on_transfer(transfer)
+            self.load_wait_s += time.perf_counter() - t0
 
     # --------------------------------------------------------------------------- reporting
     def residency(self, token_ids, extra_key: Any = None) -> str:
@@ -173,9 +179,20 @@ class HostTier:
                  and end.slot is not None]
         return "both" if len(where) == 2 else (where[0] if where else "none")
 
-    def stats(self) -> dict[str, int]:
-        out = dict(self.counters)
-        out.update(host_memory_bytes=self.budget.limit_bytes,
+    def count_hit(self, tokens: int) -> None:
+        """Count ``tokens`` of an admitted request's match that the host held (``promote``'s
+        gain for it): ``host_hit_tokens``."""
+        self.counters["host_hit_tokens"] += tokens
+
+    def in_use(self, page_ids: np.ndarray, slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Masks: which of these host page / slot ids the host tree holds now (a runner drops
+        the rows of the others)."""
+        return (self.host.pages.status_of(page_ids) == TREE,
+                self.host.slots.status_of(slot_ids) == TREE)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out.update(load_wait_s=self.load_wait_s, host_memory_bytes=self.budget.limit_bytes,
                    host_bytes_held=self.host.kv_bytes_held() + self.host.state_bytes_held(),
                    host_tree_states=len(self.host.lru_state))
         return out

@@ -36,8 +36,8 @@ def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interv
     """Match, lock, running slot, pages, planned snapshots; None if the pools are short, or
     (``running_bytes`` of requests in flight given) the budget's admission cap holds it back."""
     ps = cache.page_size
-    if cache.host_tier is not None:  # host-resident KV and state deeper than the device's
-        cache.host_tier.promote(prompt)
+    tier = cache.host_tier
+    gained = tier.promote(prompt) if tier is not None else 0  # deeper host-resident states
     m = cache.match_prefix(prompt)
     num_pages = -(-len(tokens) // ps) - m.cached_len // ps
     budget = getattr(cache, "budget", None)
@@ -54,6 +54,8 @@ def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interv
         return None
     pos = plan_snapshots(len(prompt), m.cached_len, m.branch_len, ps, checkpoint_interval)
     snaps = assign_snapshot_slots(cache, pos, m.branch_len, len(prompt), ps)
+    if gained:
+        tier.count_hit(min(gained, m.cached_len))
     all_pages = np.concatenate([m.page_ids, pages]) if len(m.page_ids) else pages
     return m, int(slot[0]), all_pages, snaps
 

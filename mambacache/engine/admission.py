@@ -1,7 +1,8 @@
 """Admission: whether a waiting request starts now, and what its lease holds when it does.
 
 ``admit(manager, req, running, waiting)`` is step 1 of the scheduler's request life
-(``scheduler.py``): match the prefix, then ``Lease.admit`` (lock the matched node, check the
+(``scheduler.py``): promote what the host tier holds deeper than the device
+(``CacheManager.promote``), match the prefix, then ``Lease.admit`` (lock the matched node, check the
 prompt's pages are available, take one running slot) and ``Lease.plan_prefill`` (the snapshot
 positions of ``snapshot_plan.plan_snapshots`` plus the in-batch dedup positions of
 ``dedup.shared_with_waiting``, with slots). Verdicts: "ok" (the lease holds its lock, running
@@ -28,6 +29,7 @@ from mambacache.engine.request import Request
 def admit(manager: CacheManager, req: Request, running: Sequence[Request],
           waiting: Iterable[Request]) -> str:
     """Try to start ``req``: "ok", "defer" or "full" (see the module docstring)."""
+    gained = manager.promote(req.token_ids, req.extra_key)  # [host tier] deeper host states
     m = manager.match(req.token_ids, req.extra_key)
     if manager.holds_back(running, m, req.prompt_len + len(req.output_ids)):
         return "full"  # the budget's running share: wait for a running request to finish
@@ -39,6 +41,8 @@ def admit(manager: CacheManager, req: Request, running: Sequence[Request],
         # Nothing running will free anything: what is short is what the match would lock
         # (its state slot or pages). Start from scratch; the tree may evict it.
         verdict = _start(manager, req, waiting, manager.empty_match(m), branch_len)
+    if gained and verdict == "ok":
+        manager.count_host_hit(min(gained, req.lease.num_computed))
     return verdict
 
 

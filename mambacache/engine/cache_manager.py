@@ -16,7 +16,8 @@ Host only, no JAX.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -33,9 +34,11 @@ from mambacache.engine.step_plan import ScheduledSeq
 class CacheManager:
     """The cache, its layout and the leases' factory (module docstring)."""
 
-    def __init__(self, cfg: CacheConfig):
+    def __init__(self, cfg: CacheConfig, transfer: Callable[..., None] | None = None):
         self._cfg = cfg
-        self.cache: CacheBase = make_cache_from_config(cfg)  # speculative states too
+        # [host tier] the runner's copy between the tiers: ``transfer(t: Transfer, in_use=)``
+        self._transfer = transfer
+        self.cache: CacheBase = self._make_cache()  # speculative states too
         self.page_size = cfg.page_size
         # tokens the whole KV pool holds (one request can never use more)
         self.kv_capacity_tokens = self.cache.pages.num_ids * cfg.page_size
@@ -51,7 +54,25 @@ class CacheManager:
     def reset(self) -> None:
         """The pools are gone (a failed step consumed them): the cache starts empty. Leases of
         the failed requests must be ``abandon``-ed by the caller."""
-        self.cache = make_cache_from_config(self._cfg)
+        self.cache = self._make_cache()
+
+    def _make_cache(self) -> CacheBase:
+        cache = make_cache_from_config(self._cfg)
+        tier = cache.host_tier
+        if tier is not None and self._transfer is not None:
+            tier.on_transfer = functools.partial(self._transfer, in_use=tier.in_use)
+        return cache
+
+    def promote(self, tokens: np.ndarray, extra_key: str | None) -> int:
+        """[host tier] Bring the host-resident prefix of ``tokens`` that is deeper than the
+        device's back to the device (the runner's copy is issued now, ordered before any step
+        that reads it); returns the tokens gained (0 without a tier or without room)."""
+        tier = self.cache.host_tier
+        return tier.promote(tokens, extra_key) if tier is not None else 0
+
+    def count_host_hit(self, tokens: int) -> None:
+        """[host tier] An admitted request matched ``tokens`` that ``promote`` brought back."""
+        self.cache.host_tier.count_hit(tokens)
 
     # ---- page arithmetic ---------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:

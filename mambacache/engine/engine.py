@@ -60,7 +60,13 @@ class Engine:
             self.model_cfg, params = model if model is not None else load_model(cfg)
             self.runner = self._model_runner(params)
             cfg = self.cfg  # [issue 25] pools sized from the byte budget in _model_runner
-        self.manager = CacheManager(cfg.cache)
+        if cfg.cache.host_memory_bytes and cfg.cache.enable:  # [host tier] its byte units
+            from mambacache.engine.pools import model_byte_sizes
+
+            state, kv = model_byte_sizes(cfg, self.model_cfg)
+            self.cfg = cfg = cfg.replace(**{"cache.state_bytes": state,
+                                            "cache.kv_bytes_per_token": kv})
+        self.manager = CacheManager(cfg.cache, transfer=getattr(self.runner, "transfer", None))
         self.scheduler = Scheduler(cfg, self.manager)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()

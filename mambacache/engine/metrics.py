@@ -98,6 +98,10 @@ class EngineMetrics:
             running_requests=len(engine.scheduler.running),
             waiting_requests=len(engine.scheduler.waiting), **kv_bytes_per_token(engine),
             **engine.cache.budget_stats())  # [issue 25] the byte budget, bytes held, peaks
+        tier = engine.cache.host_tier
+        if tier is not None:  # [host tier] hits, bytes moved, load wait, host pool usage
+            out.update(tier.stats())
+            out["host_usage"] = out["host_bytes_held"] / out["host_memory_bytes"]
         return out
 
 

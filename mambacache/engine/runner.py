@@ -135,6 +135,7 @@ class ModelRunner:
         self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
         self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts) for d in (False, True)}
         self.program_keys: set[tuple] = set()  # the step shapes requests ran (StepShape.key)
+        self.host_pools: Any = None  # [host tier] engine/host_pools.HostPools, on first use
         # Start each step's copy back at dispatch, except on CPU: there the arrays already
         # are host memory, and the copy's completion stalled the XLA thread while the host
         # thread ran Python (multi_turn, 1 XLA thread: overlap 0.96x sync with it, 1.13x
@@ -243,6 +244,16 @@ class ModelRunner:
         with counter.track():
             self.pools = _copy_slots_fn()(self.pools, idx[0], idx[1])
 
+    def transfer(self, t: Any, in_use: Any = None) -> None:
+        """[host tier] Copy one ``cache.host_tier.Transfer`` between the device pools and the
+        host pools (``engine/host_pools.py``), dispatched like a step (ordered by the pools)."""
+        from mambacache.engine.host_pools import HostPools
+
+        if self.host_pools is None:
+            self.host_pools = HostPools()
+        with self.compiles.track():
+            self.pools = self.host_pools.transfer(self.pools, t, in_use)
+
     def pools_lost(self) -> bool:
         """True if a failed step consumed the donated pools (they must be rebuilt)."""
         leaves = jax.tree_util.tree_leaves((self.pools, self.future))
@@ -256,6 +267,8 @@ class ModelRunner:
                       for (s, d), x in zip(shape_dtype, jax.tree_util.tree_leaves(self.pools),
                                            strict=True)])
         self.future = jnp.zeros(self.future.shape, jnp.int32, device=self.future.sharding)
+        if self.host_pools is not None:  # the cache (host tier included) starts empty too
+            self.host_pools.reset()
 
 
 def _copy_slots(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mambacache.engine.shadow_tier import ShadowTier
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, step_hazards
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class ShadowModelConfig:
         self.eos_token_id = eos_token_id
 
 
-class ShadowRunner:
+class ShadowRunner(ShadowTier):
     """The host oracle runner. ``outputs(request_id, step) -> token | None`` overrides sampling
     (trace replay); ``fail_step(step_index) -> bool`` injects a failing step (raised before
     anything is written, or with the pools lost when ``lose_pools_on_failure``);
@@ -91,6 +92,8 @@ class ShadowRunner:
         self._fail_read = fail_read
         self._future = np.zeros(0, np.int32)  # [overlap] the last step's sampled tokens
         self._lost = False
+        self.host_kv: dict = {}  # [host tier] host page -> (lengths, keys) of its positions
+        self.host_slot: dict = {}  # [host tier] host slot -> (length, key) of its state
         self.markov = markov
         self.num_steps = 0
         self.decode_steps = 0
@@ -271,6 +274,7 @@ class ShadowRunner:
             a[:] = 0
         self._future = np.zeros(0, np.int32)
         self._lost = False
+        self.host_kv, self.host_slot = {}, {}  # [host tier] the cache starts empty too
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """``ModelRunner.copy_slots``: the state at ``dst`` becomes the one at ``src``."""

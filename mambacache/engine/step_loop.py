@@ -58,6 +58,9 @@ class Runner(Protocol):
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
+    def transfer(self, t: Any, in_use: Any = None) -> None:
+        """[host tier] Copy a ``cache.host_tier.Transfer`` between device and host pools."""
+
     def pools_lost(self) -> bool: ...
 
     def reset_pools(self) -> None: ...
