@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from mambacache.bench.simulate import (
@@ -116,16 +117,24 @@ def test_budget_run_reports_bytes_and_shares_them(tmp_path):
 
 
 def test_host_tier_run_hits_more_on_the_same_device_budget(tmp_path):
-    """The simulator with a host tier (--set cache.host_memory_bytes): every copy between the
-    tiers checked by the shadow runner, more hits than the device budget alone."""
+    """The simulator with a host tier (--set cache.host_memory_bytes): interleaved multi-turn
+    chats on a device budget that holds about two of them; every copy between the tiers
+    checked by the shadow runner, more hits than the device budget alone."""
+    rng = np.random.default_rng(5)
+    convs = [rng.integers(1, 100, 30).tolist() for _ in range(8)]
+    records = []
+    for _ in range(4):
+        for c in range(8):
+            out = rng.integers(1, 100, 6).tolist()
+            records.append({"prompt": list(convs[c]), "output": out})
+            convs[c] = convs[c] + out + rng.integers(1, 100, 10).tolist()
     trace = tmp_path / "t.jsonl"
-    write_trace(trace, shared_prefix_trace(60, 6, 48, 8, output_len=3, vocab_size=100))
-    args = ["--trace", str(trace), "--set", "cache.memory_bytes=12000", "--state-bytes", "400",
-            "--kv-bytes-per-token", "20", "--set", "cache.page_size=4", "--concurrency", "3",
-            "--check-integrity"]
+    write_trace(trace, records)
+    args = ["--trace", str(trace), "--set", "cache.memory_bytes=8000", "--state-bytes", "400",
+            "--kv-bytes-per-token", "20", "--concurrency", "2"]
     alone = main(args)
-    tier = main(args + ["--set", "cache.host_memory_bytes=40000"])
+    tier = main(args + ["--set", "cache.host_memory_bytes=60000"])
     assert "host_hit_tokens" not in alone
     assert tier["host_hit_tokens"] > 0 and tier["promotions"] > 0
     assert tier["hit_rate"] > alone["hit_rate"]
-    assert 0 < tier["host_bytes_held"] <= 40000
+    assert 0 < tier["host_bytes_held"] <= 60000
