@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 
-def _inert_torchvision() -> None:
+def inert_torchvision() -> None:
     """An importable ``torchvision`` whose every function raises (see the module docstring)."""
     try:
         import torchvision.io  # noqa: F401
@@ -79,7 +79,7 @@ def _import_sglang():
         import torch  # noqa: F401
     except ImportError:
         return None, "torch is not installed"
-    _inert_torchvision()
+    inert_torchvision()
     try:
         from sglang.srt.mem_cache import base_prefix_cache as bpc
         from sglang.srt.mem_cache import mamba_radix_cache as mrc
