@@ -4,7 +4,7 @@
 # the model with kernels="pallas" against "reference", the kernels' measured share of the
 # roofline at production sizes, the cache sized from cache.memory_fraction on this device by
 # the plan's code (python -m mambacache.plan --topology local) and a short cache on / off
-# benchmark at those pool sizes. Writes $OUT_DIR/device_check.json (scripts/device_report.py):
+# benchmark whose engines size their pools from the same cache.memory_fraction. Writes $OUT_DIR/device_check.json (scripts/device_report.py):
 # per kernel the measured fraction of HBM bandwidth and of peak FLOPs, the plan, the ratios and
 # each step's exit status.
 #
@@ -49,11 +49,11 @@ BENCH="configs/bench/multi_turn.toml"
 step plan 90 $PY -m mambacache.plan --config "$BENCH" --topology local \
   --set cache.memory_fraction="$FRACTION" --set cache.num_kv_tokens=0 --set cache.num_mamba_slots=0 \
   --set cache.page_size=16 --out "$OUT/plan.json"
-SIZES=$($PY -c "import json; p = json.load(open('$OUT/plan.json')); \
-print(f\"--set cache.num_mamba_slots={p['num_mamba_slots']} --set cache.num_kv_tokens={p['num_kv_tokens']}\")" \
-  2>/dev/null || echo "")
+# the engine sizes its own pools from the same fraction (engine/pools.size_pools with the
+# budget parallel.sizing.device_cache_budget measures), as a user who sets only the fraction gets
 step bench_cache_on_off 90 $PY -m mambacache.bench --config "$BENCH" --quiet \
-  --set cache.page_size=16 $SIZES --out "$OUT/bench.json"
+  --set cache.memory_fraction="$FRACTION" --set cache.num_kv_tokens=0 --set cache.num_mamba_slots=0 \
+  --set cache.page_size=16 --out "$OUT/bench.json"
 $PY -c "import json, sys; print(json.dumps({l.split()[0]: int(l.split()[1]) \
 for l in open('$STEPS')}))" > "$OUT/steps.json"
 $PY scripts/device_report.py "$OUT" || status=1

@@ -42,12 +42,13 @@ def test_plan_json_fields_and_budget_arithmetic(tmp_path, capsys):
     left = p["hbm_bytes"] - p["weight_bytes"] - p["step_bytes"]
     assert p["cache_budget_bytes"] == int(left * 0.9)
     # as the engine sizes device pools (engine.pools.size_pools, physical): the reserved page 0
-    # and slot 0 off the budget, then DEVICE_STATE_SHARE of the rest to state slots
-    from mambacache.cache.budget import DEVICE_STATE_SHARE
+    # and slot 0 off the budget, then device_state_share of the rest to state slots
+    from mambacache.cache.budget import device_state_share
 
     slot, page = p["state_slot_bytes"], p["kv_page_bytes"]
     usable = p["cache_budget_bytes"] - page - slot
-    assert p["num_mamba_slots"] == int(usable * DEVICE_STATE_SHARE) // slot
+    share = device_state_share(slot, page, 4)
+    assert p["num_mamba_slots"] == int(usable * share) // slot
     assert p["num_kv_tokens"] == (usable - p["num_mamba_slots"] * slot) // page * 4
     assert "num_kv_tokens" in capsys.readouterr().out
 

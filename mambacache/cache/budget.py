@@ -27,9 +27,21 @@ import dataclasses
 from typing import Any
 
 GIB = 2**30
-#: the states' share of a budget split into two fixed pools (device pools are not rebalanced
-#: between steps yet; issue 25 measured 0.3-0.5 best on chat, 0.15-0.2 on agents)
-DEVICE_STATE_SHARE = 0.3
+#: device pools are two fixed arrays (not rebalanced between steps): a budget is split so that
+#: each state comes with the KV of this many tokens (``device_state_share``). The best fixed
+#: splits of issue 25's table sit there: a state = the KV of 409 tokens (7B mapping) -> 0.2-0.4
+#: to states, 3,144 tokens (Qwen3-Next-80B-A3B) -> 0.6-0.8 (docs/bench.md 2026-12-02)
+DEVICE_TOKENS_PER_STATE = 1024
+DEVICE_STATE_SHARE_RANGE = (0.1, 0.9)
+
+
+def device_state_share(slot_bytes: int, page_bytes: int, page_size: int) -> float:
+    """The states' share of a budget split into two fixed device pools: ``s / (s +
+    DEVICE_TOKENS_PER_STATE)`` with ``s`` = a state's bytes in tokens of KV, within
+    ``DEVICE_STATE_SHARE_RANGE``."""
+    state_tokens = slot_bytes * page_size / page_bytes
+    lo, hi = DEVICE_STATE_SHARE_RANGE
+    return min(hi, max(lo, state_tokens / (state_tokens + DEVICE_TOKENS_PER_STATE)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,11 +148,12 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
     budget. ``memory_bytes``: the budget when the config gives a fraction (measured on the
     device: ``parallel.sizing.device_cache_budget``). ``physical``: pools that are device
     arrays (the model runner). They are not rebalanced between steps yet, so a shared budget
-    is split there at ``DEVICE_STATE_SHARE`` of the bytes for states (never beyond the budget);
+    is split there at ``device_state_share`` of the bytes for states (a state with the KV of
+    ``DEVICE_TOKENS_PER_STATE`` tokens; never beyond the budget);
     the host-only runners (shadow, simulator) share it. ``device_sizes``: ``(state_bytes,
     kv_bytes_per_token)`` per device as the mesh lays the pools out (tensor parallelism shards
     them: ``parallel.sizing.unit_bytes``); the budget is per device."""
-    from mambacache.cache.budget import DEVICE_STATE_SHARE, plan_pools
+    from mambacache.cache.budget import device_state_share, plan_pools
 
     cc = cfg.cache
     sized = cc.num_kv_tokens and cc.num_mamba_slots and cc.state_bytes and cc.kv_bytes_per_token
@@ -175,7 +176,8 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
         usable -= kv * cc.page_size + (1 + scratch) * state
     plan = plan_pools(cc, kv * cc.page_size, state, context_len=ctx,
                       max_running=cfg.scheduler.max_running_requests, memory_bytes=usable,
-                      state_share=DEVICE_STATE_SHARE if physical else 0.0)
+                      state_share=device_state_share(state, kv * cc.page_size, cc.page_size)
+                      if physical else 0.0)
     logging.info("cache pools from the byte budget (%d bytes per device): %s", limit,
                  plan.describe())
     sized = cfg.replace(**{"cache.memory_bytes": int(limit), "cache.memory_fraction": 0.0,
