@@ -31,7 +31,7 @@ GIB = 2**30
 #: each state comes with the KV of this many tokens (``device_state_share``). The best fixed
 #: splits of issue 25's table sit there: a state = the KV of 409 tokens (7B mapping) -> 0.2-0.4
 #: to states, 3,144 tokens (Qwen3-Next-80B-A3B) -> 0.6-0.8 (docs/bench.md 2026-12-02)
-DEVICE_TOKENS_PER_STATE = 1024
+DEVICE_TOKENS_PER_STATE = 900
 DEVICE_STATE_SHARE_RANGE = (0.1, 0.9)
 
 
