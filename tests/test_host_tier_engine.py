@@ -87,3 +87,15 @@ def test_model_multi_turn_exact_with_a_host_tier():
     assert tier["bytes_promoted"] > 0 and tier["load_wait_s"] >= 0
     print({k: (v[0]["computed_prefill_tokens"], round(v[1], 2)) for k, v in runs.items()})
 
+
+
+def test_metrics_endpoint_exports_the_tier():
+    from mambacache.serve.metrics import ServerMetrics
+
+    eng = shadow_engine(**SHADOW_TIER, **{"cache.host_memory_bytes": 100_000})
+    _conversations(eng, 3, 6, 30, 7, 5)
+    m = eng.metrics()
+    text = ServerMetrics().render(m).decode()
+    assert f"mambacache_host_hit_tokens_total {float(m['host_hit_tokens'])}" in text
+    assert "mambacache_host_promoted_bytes_total" in text
+    assert f"mambacache_host_pool_usage {float(m['host_usage'])}" in text

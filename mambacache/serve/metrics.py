@@ -23,6 +23,11 @@ ENGINE_COUNTERS = {
     "computed_prefill_tokens": ("computed_prefill_tokens", "Prompt tokens run through the model"),
     "preemptions": ("preemptions", "Requests preempted for memory"),
     "num_steps": ("engine_steps", "Engine steps"),
+    # [host tier] cache.host_memory_bytes (0 while off)
+    "host_hit_tokens": ("host_hit_tokens", "Prompt tokens served from host-resident KV and states"),
+    "bytes_demoted": ("host_demoted_bytes", "Bytes copied from the device to the host tier"),
+    "bytes_promoted": ("host_promoted_bytes", "Bytes copied from the host tier to the device"),
+    "load_wait_s": ("host_load_wait_seconds", "Host seconds spent issuing tier copies"),
 }
 ENGINE_GAUGES = {
     "hit_rate": ("cache_hit_rate", "Cached / prompt tokens of finished requests"),
@@ -30,6 +35,7 @@ ENGINE_GAUGES = {
     "mamba_usage": ("state_pool_usage", "Share of the recurrent-state slot pool in use"),
     "running_requests": ("running_requests", "Requests in the running batch"),
     "waiting_requests": ("waiting_requests", "Requests queued in the engine"),
+    "host_usage": ("host_pool_usage", "Share of the host tier's bytes in use"),
 }
 
 
