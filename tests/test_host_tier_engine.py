@@ -99,3 +99,41 @@ def test_metrics_endpoint_exports_the_tier():
     assert f"mambacache_host_hit_tokens_total {float(m['host_hit_tokens'])}" in text
     assert "mambacache_host_promoted_bytes_total" in text
     assert f"mambacache_host_pool_usage {float(m['host_usage'])}" in text
+
+
+def test_warm_transfer_programs_then_no_compile():
+    """``host_pools.warm`` compiles every width a transfer can take and changes no row: a
+    demotion and a promotion after it compile nothing and round-trip the rows exactly."""
+    import jax
+    import jax.numpy as jnp
+
+    from mambacache.cache.host_tier import Transfer
+    from mambacache.engine.compiles import CompileCounter
+    from mambacache.engine.host_pools import HostPools, warm
+    from mambacache.engine.pools import PoolState
+
+    model_cfg = tiny_model()[0]
+    pools = PoolState.create(model_cfg, num_pages=40, page_size=2, num_slots=4)
+    rng = np.random.default_rng(0)
+    pools = jax.tree_util.tree_map(
+        lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), pools)
+    pools = pools.replace(conv=tuple(a.at[0].set(0) for a in pools.conv),
+                          ssm=tuple(a.at[0].set(0) for a in pools.ssm))
+    before = jax.device_get(pools)
+    pools = warm(pools, 20)
+    after = jax.device_get(pools)
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after),
+                    strict=True):
+        np.testing.assert_array_equal(a[1:], b[1:])  # only the dump page / zero slot touched
+    counter, host = CompileCounter(), HostPools()
+    tokens = np.arange(40, dtype=np.int32)
+    with counter.track():
+        pools = host.transfer(pools, Transfer(True, np.arange(1, 21, dtype=np.int32),
+                                              np.arange(5, 25, dtype=np.int32), 3, 1, tokens))
+        pools = host.transfer(pools, Transfer(False, np.arange(21, 41, dtype=np.int32),
+                                              np.arange(5, 25, dtype=np.int32), 2, 1, tokens))
+    assert counter.compiles == 0
+    got = jax.device_get(pools)
+    np.testing.assert_array_equal(got.k_pages[0][21:41], before.k_pages[0][1:21])
+    np.testing.assert_array_equal(got.ssm[0][2], before.ssm[0][3])
+    assert got.ssm[0].dtype == np.float32

@@ -13,9 +13,10 @@ which ids; this module only copies).
     before it and before every step dispatched after it (the step that reads it included).
 States keep their pool dtypes on the host (fp32 SSM states stay fp32). Page counts are padded
 to a power of two (at least ``MIN_TRANSFER_PAGES``) with the dump page 0 (its rows are garbage
-by contract): one gather and one scatter program per width, compiled on first use (not by
-``Engine.warmup`` yet). Memory: host rows whose ids the host tree no longer holds are dropped
-whenever new rows land (``in_use``: the tier's), so the host size is never held twice.
+by contract): one gather and one scatter program per width, compiled by ``Engine.warmup``
+(``warm``: page 0 and the zero slot copied onto themselves) or on first use. Memory: host rows
+whose ids the host tree no longer holds are dropped whenever new rows land (``in_use``: the
+tier's), so the host size is never held twice.
 
 On GPU / TPU the rows are numpy arrays in ordinary host memory (``jax.device_get``), not pinned
 (``pinned_host``) buffers: a promotion stages them through a copy.
@@ -139,3 +140,15 @@ class HostPools:
         self.slots.clear()
         self._pending.clear()
 
+
+def warm(pools: PoolState, max_pages: int) -> PoolState:
+    """Compile the gather and the scatter of every width up to ``max_pages`` pages: page 0 and
+    the zero slot gathered and written back onto themselves (no cached row changes)."""
+    width = MIN_TRANSFER_PAGES
+    while True:
+        idx = np.zeros(width, np.int32)
+        rows = jax.device_get(_gather_fn()(pools, idx, np.int32(0)))
+        pools = _scatter_fn()(pools, idx, np.int32(0), rows)
+        if width >= max_pages:
+            return pools
+        width *= 2

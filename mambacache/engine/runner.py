@@ -254,6 +254,14 @@ class ModelRunner:
         with self.compiles.track():
             self.pools = self.host_pools.transfer(self.pools, t, in_use)
 
+    def warm_transfers(self, max_pages: int) -> None:
+        """[host tier] Compile the tier's gather / scatter programs up to ``max_pages`` pages
+        (``host_pools.warm``; no cached row changes)."""
+        from mambacache.engine.host_pools import warm
+
+        with self.warm_compiles.track():
+            self.pools = warm(self.pools, max_pages)
+
     def pools_lost(self) -> bool:
         """True if a failed step consumed the donated pools (they must be rebuilt)."""
         leaves = jax.tree_util.tree_leaves((self.pools, self.future))

@@ -2,8 +2,9 @@
 
 The set is ``engine/buckets.py``'s ``Buckets.program_set`` for the engine's config: decode
 widths x pages per sequence, extend token buckets (x logits rows with verify rows), plus the
-speculative slot copy. ``max_seq_len`` bounds the pages per sequence (default: the model's
-context): a request longer than it still runs, on a program outside the warmed set.
+speculative slot copy and the host tier's gather / scatter widths (``engine/host_pools.py``).
+``max_seq_len`` bounds the pages per sequence (default: the model's context): a request longer
+than it still runs, on a program outside the warmed set.
 
 Invariants: warm-up runs only on an idle engine (no request waiting, running or in flight) and
 leaves it as it was: the dummy rows read and write only the dump page 0 and the zero slot 0
@@ -74,6 +75,8 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
         runner.warm(shape)
     if engine.cfg.speculative.enabled:
         runner.copy_slots([])  # the scratch end-state copy: slot 0 onto itself
+    if engine.cache.host_tier is not None:  # [host tier] its copies, up to a whole sequence
+        runner.warm_transfers(-(-buckets.max_seq_len // engine.cfg.cache.page_size))
     compiles, compile_s = runner.warm_compiles.snapshot()
     decode = sum(s.decode for s in shapes)
     out.update(programs=len(shapes), compiles=compiles - before[0],
