@@ -71,11 +71,14 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineMetrics()
-        # the step loop: overlapped (depth 1) unless off or speculative (verify rows)
-        self.overlap = cfg.scheduler.overlap and not cfg.speculative.enabled
+        # the step loop: overlapped (depth 1) unless off; with speculative decoding only on a
+        # runner that shifts chained rows on the device (``spec_k``; not the shadow runner)
+        chains = getattr(self.runner, "spec_k", 0) > 0
+        self.overlap = cfg.scheduler.overlap and (chains or not cfg.speculative.enabled)
         self.loop = StepLoop(self, depth=int(self.overlap))
-        if cfg.scheduler.overlap and cfg.speculative.enabled:
-            logging.info("scheduler.overlap with speculative decoding: the synchronous loop runs")
+        if cfg.scheduler.overlap and not self.overlap:
+            logging.info("scheduler.overlap with speculative decoding on %s: the synchronous "
+                         "loop runs", type(self.runner).__name__)
         logging.info("engine ready: %s, %d KV pages of %d tokens, %d state slots, cache %s",
                      type(self.runner).__name__, cfg.cache.num_pages, cfg.cache.page_size,
                      cfg.cache.num_mamba_slots, "on" if cfg.cache.enable else "off")
@@ -118,7 +121,9 @@ class Engine:
         self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
                                   page_size=cfg.cache.page_size,
                                   max_seqs=cfg.scheduler.max_running_requests,
-                                  num_drafts=cfg.speculative.num_draft_tokens if mtp else 0)
+                                  num_drafts=cfg.speculative.num_draft_tokens if mtp else 0,
+                                  spec_k=cfg.speculative.num_draft_tokens
+                                  if cfg.speculative.enabled else 0)
         if self.mesh is not None:
             from mambacache.parallel.mesh import shard_engine
 

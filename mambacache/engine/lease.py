@@ -266,6 +266,12 @@ class Lease:
         self.prefilled = prefill_done
         return bool(self.pending_snapshots)
 
+    def state_overwritten(self) -> None:
+        """[speculative, overlap] A row in flight writes ``state_slot`` (the request stopped
+        inside a verify window while its next row ran): no end snapshot of it at release.
+        Mutates ``state_valid``."""
+        self.state_valid = False
+
     def settle_window(self, start: int, end: int, n: int) -> None:
         """[speculative] A verify window ``(start, end]`` accepted up to ``n`` tokens: free its
         snapshots past ``n`` (draft states); if one was accepted it is the newest page-aligned

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mambacache.engine import chain_step, spec_chain
 from mambacache.engine.batch import ForwardBatch, build_forward_batch
 from mambacache.engine.buckets import (
     MIN_PAGE_BUCKET,
@@ -45,63 +46,79 @@ __all__ = ["MIN_PAGE_BUCKET", "MIN_SEQ_BUCKET", "MIN_SNAPSHOT_BUCKET", "MIN_TOKE
 DEFAULT_MAX_SEQ_LEN = 4096
 
 
-def _step(params: Any, pools: PoolState, future: jax.Array, batch: ForwardBatch,
-          sb: SamplingBatch, prev_index: jax.Array, mtp_inputs: Any = None, *, cfg: Any,
-          kernels: str, decode: bool, mesh: Any = None, num_drafts: int = 0):
+def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
+          sb: SamplingBatch, prev_index: jax.Array, spec_in: Any = None, *, cfg: Any,
+          kernels: str, decode: bool, mesh: Any = None, num_drafts: int = 0, spec_k: int = 0):
     """``future`` int32 ``[F]`` (donated): the previous step's sampled tokens, logits row i at
     i; ``prev_index`` int32 ``[T]``: -1 (the token in ``batch.input_ids`` is known) or the row
     of ``future`` that holds the token [overlap]. Returns the new ``future`` with the pools.
-    [speculative] ``num_drafts`` > 0: the MTP head drafts that many tokens per sequence for the
-    next step (``models/mtp.py``; ``mtp_inputs`` from ``drafters.mtp_inputs``), returned last."""
-    known = batch.input_ids
-    ids = jnp.where(prev_index >= 0, future[jnp.maximum(prev_index, 0)], known)
+    [speculative] ``spec_k`` > 0: ``future`` is the carry of ``chain_step.empty_carry`` and
+    ``spec_in`` the step's ``drafters.mtp_inputs`` + ``spec_chain.chain_inputs`` (chained rows
+    are shifted by the previous step's outcome); ``num_drafts`` > 0: the MTP head drafts that
+    many tokens per sequence for the next step (``models/mtp.py``), returned last."""
+    draft_ids = None
+    if spec_k:
+        batch, sb, draft_ids = chain_step.apply(batch, sb, future, spec_in,
+                                                page_size=pools.k_pages[0].shape[1],
+                                                mtp=num_drafts > 0)
+    buf = future["tokens"] if spec_k else future
+    ids = jnp.where(prev_index >= 0, buf[jnp.maximum(prev_index, 0)], batch.input_ids)
     batch = dataclasses.replace(batch, input_ids=ids)
     out = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
                         mesh=mesh, return_hidden=num_drafts > 0)
     pools, logits = out[:2]
     tokens, logprobs = sample(logits, sb)
-    n = min(tokens.shape[0], future.shape[0])
-    future = future.at[:n].set(tokens[:n])
+    drafts = None
+    if num_drafts:
+        pools, drafts = mtp_draft(params, pools, batch, out[2], tokens,
+                                  {**spec_in, "draft_ids": draft_ids}, cfg=cfg,
+                                  num_drafts=num_drafts, impl=ops.resolve_impl(kernels),
+                                  mesh=mesh)
+    if spec_k:
+        future = chain_step.outcome(future, tokens, spec_in, draft_ids, drafts)
+    else:
+        n = min(tokens.shape[0], future.shape[0])
+        future = future.at[:n].set(tokens[:n])
     if not num_drafts:
         return pools, future, tokens, logprobs
-    pools, drafts = mtp_draft(params, pools, batch, out[2], tokens, mtp_inputs, cfg=cfg,
-                              num_drafts=num_drafts, impl=ops.resolve_impl(kernels), mesh=mesh)
     return pools, future, tokens, logprobs, drafts
 
 
-def jitted_step(cfg: Any, kernels: str, decode: bool, num_drafts: int = 0):
+def jitted_step(cfg: Any, kernels: str, decode: bool, num_drafts: int = 0, spec_k: int = 0):
     """One jitted program family per (model config, kernels, decode, kernel family): engines over
     the same model share compiled programs. Pools (argument 1) are donated.
 
     One program per ``buckets.StepShape`` (and pool shapes).
     """
-    return _jitted_step(cfg, kernels, decode, ops.kernel_family(), num_drafts)
+    return _jitted_step(cfg, kernels, decode, ops.kernel_family(), num_drafts, spec_k)
 
 
 @functools.cache
-def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str, num_drafts: int = 0):
+def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str, num_drafts: int = 0,
+                 spec_k: int = 0):
     del family  # a cache key only: ``ops`` reads PALLAS_FAMILY when tracing
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode,
-                                     num_drafts=num_drafts), donate_argnums=(1, 2))
+                                     num_drafts=num_drafts, spec_k=spec_k),
+                   donate_argnums=(1, 2))
 
 
 def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                        mesh: Any, num_drafts: int = 0):
+                        mesh: Any, num_drafts: int = 0, spec_k: int = 0):
     """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel.mesh``):
     params come placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps,
     tokens and logprobs come back with ``out_sh`` (replicated). The model runs every kernel op
     per device in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
     return _jitted_sharded_step(cfg, kernels, decode, pool_sh, out_sh, mesh, ops.kernel_family(),
-                                num_drafts)
+                                num_drafts, spec_k)
 
 
 @functools.cache
 def _jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                         mesh: Any, family: str, num_drafts: int = 0):
+                         mesh: Any, family: str, num_drafts: int = 0, spec_k: int = 0):
     del family  # a cache key only, as in ``_jitted_step``
     outs = (pool_sh, out_sh, out_sh, out_sh) + ((out_sh,) if num_drafts else ())
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh,
-                                     num_drafts=num_drafts),
+                                     num_drafts=num_drafts, spec_k=spec_k),
                    donate_argnums=(1, 2), out_shardings=outs)
 
 
@@ -112,7 +129,7 @@ class ModelRunner:
     """
 
     def __init__(self, model_cfg: Any, params: Any, pools: PoolState, *, kernels: str,
-                 page_size: int, max_seqs: int, num_drafts: int = 0,
+                 page_size: int, max_seqs: int, num_drafts: int = 0, spec_k: int = 0,
                  buckets: Buckets | None = None):
         self.model_cfg = model_cfg
         self.params = params
@@ -129,11 +146,16 @@ class ModelRunner:
         self.compiles = CompileCounter()
         self.warm_compiles = CompileCounter()
         # [overlap] the last step's sampled tokens, on the device; threaded like the pools
-        self.future = jnp.zeros(self.max_seqs, jnp.int32)
+        # [speculative] spec_k > 0: the carry of the step's outcome (``spec_chain``), which
+        # chained rows (a request's row built before its previous one is read) start from
+        self.spec_k = spec_k
+        self.future: Any = (chain_step.empty_carry(self.max_seqs, spec_k, num_drafts) if spec_k
+                            else jnp.zeros(self.max_seqs, jnp.int32))
         # [speculative] MTP drafts per sequence made by each step (0: no MTP head runs)
         self.num_drafts = num_drafts
         self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
-        self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts) for d in (False, True)}
+        self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts, spec_k)
+                     for d in (False, True)}
         self.program_keys: set[tuple] = set()  # the step shapes requests ran (StepShape.key)
         self.host_pools: Any = None  # [host tier] engine/host_pools.HostPools, on first use
         # Start each step's copy back at dispatch, except on CPU: there the arrays already
@@ -151,7 +173,8 @@ class ModelRunner:
         from mambacache.parallel.mesh import replicated
 
         self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
-                                            replicated(mesh), mesh, self.num_drafts)
+                                            replicated(mesh), mesh, self.num_drafts,
+                                            self.spec_k)
                      for d in (False, True)}
         self.future = jax.device_put(self.future, replicated(mesh))
 
@@ -202,8 +225,8 @@ class ModelRunner:
         self.program_keys.add(shape.key)
         prev = future_index(seqs, shape.num_tokens)
         extra = ()
-        if self.num_drafts:  # [speculative] the MTP head drafts for the next step
-            extra = (mtp_inputs(scheduled, shape.num_tokens, shape.num_seqs),)
+        if self.spec_k:  # [speculative] chained rows; the MTP head drafts for the next step
+            extra = (self._spec_inputs(scheduled, shape),)
         with self.compiles.track():
             out = self._fns[shape.decode](self.params, self.pools, self.future, batch, sb, prev,
                                           *extra)
@@ -212,6 +235,12 @@ class ModelRunner:
         for x in out[2:] if self.copy_back else ():  # the read finds them on the host
             x.copy_to_host_async()
         return tokens, logprobs
+
+    def _spec_inputs(self, scheduled: Sequence[ScheduledSeq],
+                     shape: StepShape) -> dict[str, np.ndarray]:
+        return {**mtp_inputs(scheduled, shape.num_tokens, shape.num_seqs),
+                **spec_chain.chain_inputs([s.chain for s in scheduled], shape.num_seqs,
+                                          self.spec_k)}
 
     def warm(self, shape: StepShape) -> None:
         """Compile (and run once) the step program of ``shape`` on dummy rows: each reads and
@@ -225,7 +254,7 @@ class ModelRunner:
                                     as_numpy=True, **shape.sizes())
         sb = SamplingBatch.from_params([], [], shape.num_logits)
         prev = np.full(shape.num_tokens, -1, np.int32)
-        extra = (mtp_inputs([], shape.num_tokens, shape.num_seqs),) if self.num_drafts else ()
+        extra = (self._spec_inputs([], shape),) if self.spec_k else ()
         with self.warm_compiles.track():
             out = self._fns[shape.decode](self.params, self.pools, self.future, batch, sb, prev,
                                           *extra)
@@ -274,7 +303,8 @@ class ModelRunner:
             treedef, [jax.numpy.zeros(s, d, device=x.sharding)  # [parallel] created sharded
                       for (s, d), x in zip(shape_dtype, jax.tree_util.tree_leaves(self.pools),
                                            strict=True)])
-        self.future = jnp.zeros(self.future.shape, jnp.int32, device=self.future.sharding)
+        self.future = jax.tree_util.tree_map(
+            lambda x: jnp.zeros(x.shape, jnp.int32, device=x.sharding), self.future)
         if self.host_pools is not None:  # the cache (host tier included) starts empty too
             self.host_pools.reset()
 

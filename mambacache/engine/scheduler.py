@@ -110,6 +110,11 @@ class Scheduler:
             if req.num_pending and req.params.needs_history:
                 continue  # [overlap] penalties / grammar read its last token on the host first
             if req.status is Status.RUNNING and self._grow_or_preempt(req, req.num_tokens):
+                if req.num_pending and self.speculative:  # [overlap] its last row in flight
+                    chained = self.speculative.plan_chained(req)
+                    if chained is not None:
+                        out[req.request_id] = chained
+                    continue
                 verify = (self.speculative and not req.params.needs_history
                           and self.speculative.plan(req))
                 out[req.request_id] = verify or self._decode_scheduled(req)
@@ -141,7 +146,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         for s in out.values():
             s.write_slot = s.write_slot or s.req.lease.running_slot
-            s.spec = self.speculative.verify_spec(s) if s.drafts else self._spec(s)
+            s.spec = self.speculative.verify_spec(s) if s.verifies else self._spec(s)
         return list(out.values())
 
     def _add_chunk(self, req: Request, budget: int) -> int:

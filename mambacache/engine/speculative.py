@@ -36,6 +36,7 @@ import numpy as np
 
 from mambacache.config import EngineConfig
 from mambacache.engine.drafters import make_drafter
+from mambacache.engine.spec_chain import Chain, targets
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class SpecDecoder:
         self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
         self.slot_copies: list[tuple[int, int]] = []  # (src scratch, dst running) pending
         self.verify_steps = self.draft_tokens = self.accepted_tokens = self.emitted_tokens = 0
+        # [overlap] request id -> (its sampling row in the step dispatched last, row index)
+        self.flying: dict[int, tuple[ScheduledSeq, int]] = {}
+        self.last_accepted = 0  # drafts the last ``accept`` accepted
 
     # ---- lanes -----------------------------------------------------------------------------
     def _lane_slots(self, lane: int) -> tuple[int, ...]:
@@ -82,6 +86,7 @@ class SpecDecoder:
         """``req`` gives back everything (finish, abort, preemption). ``end_snapshot``: its
         running slot becomes the end state in the tree, so a scratch state is copied there."""
         self._budget.pop(req.request_id, None)
+        self.flying.pop(req.request_id, None)
         self.drafter.forget(req.request_id)
         lease = req.lease
         if not lease.scratch_slots:
@@ -96,6 +101,7 @@ class SpecDecoder:
         self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
         self.slot_copies.clear()
         self._budget.clear()
+        self.flying.clear()
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.slot_copies = self.slot_copies, []
@@ -125,8 +131,77 @@ class SpecDecoder:
         lease.plan_window_snapshots(start + 1, start + m + 2)
         return s
 
+    def plan_chained(self, req: Request) -> ScheduledSeq | None:
+        """[overlap] The row of ``req`` whose previous row (in the step in flight) is not read
+        yet (``engine/spec_chain.py``), planned as if that row accepts all its drafts; None if
+        the pages for it are not free (drafts never preempt; the request waits for the read)."""
+        prev, b = self.flying[req.request_id]
+        lease, known = req.lease, req.token_ids
+        if prev.verifies:  # its progress is recorded when read: ``prev.start`` is the lease's
+            m, cand = len(prev.drafts), prev.targets[:len(prev.drafts) + 1]
+            start, virtual = prev.start + m + 1, np.concatenate(
+                [known, np.asarray(prev.drafts, np.int32)])
+        else:  # a decode or a prefill's last chunk: recorded at dispatch
+            m, cand, start, virtual = 0, (lease.state_slot,), prev.end, known
+        left = req.params.max_new_tokens - len(req.output_ids) - (m + 1)
+        n = max(0, min(self._budget.get(req.request_id, self.k), left - 1))
+        expect, drafts = -1, ()
+        if n and not self.chain_room:  # [ngram] the lookup over tokens + the drafts in flight
+            props = self.drafter.propose(virtual, n + 1)
+            expect, drafts = (props[0], tuple(props[1:n + 1])) if props else (-1, ())
+            n = len(drafts)
+        if not lease.grow(start + 1):
+            return None
+        if self.chain_room:  # [mtp] room for the chained drafts' K/V if free
+            lease.grow(start + 1 + n + self.k - 1)
+        if not lease.grow(start + 1 + n):
+            n = max(min(n, lease.room(start + 1)), 0)
+            drafts = drafts[:n]
+        self._take_lane(req)
+        pool = (lease.running_slot, *lease.scratch_slots)
+        tg = targets(pool, cand[m], n + 1)
+        s = ScheduledSeq(req, start, start + 1, write_slot=tg[n])
+        s.drafts, s.targets = drafts if not self.chain_room else (0,) * n, tg
+        s.chain = Chain(src=b, base=m, cand=tuple(cand), pool=pool, expect=expect, ndraft=n,
+                        proposal=drafts)
+        return s
+
+    def dispatched(self, scheduled: Sequence[ScheduledSeq]) -> None:
+        """[overlap] Remember each request's sampling row in the step just dispatched."""
+        self.flying = {s.req.request_id: (s, b) for b, s in enumerate(scheduled)
+                       if s.verifies or s.samples}
+
+    def resolve(self, req: Request, accepted: int, bonus: int, mtp_drafts: Any) -> None:
+        """[overlap] ``req``'s row before its chained one was read (``accepted`` drafts, then
+        ``bonus``; ``mtp_drafts``: the head's drafts for it): make the chained row's start,
+        slots and drafts the ones the device used."""
+        got = self.flying.get(req.request_id)
+        if got is None or got[0].chain is None or got[0].resolved:
+            return
+        s, c = got[0], got[0].chain
+        s.start += accepted - c.base
+        s.end = s.start + 1
+        s.targets = targets(c.pool, c.cand[accepted], c.ndraft + 1)
+        s.write_slot = s.targets[c.ndraft]
+        if self.chain_room:
+            s.drafts = tuple(int(d) for d in mtp_drafts[:c.ndraft])
+        else:
+            s.drafts = c.proposal if accepted == c.base and bonus == c.expect else ()
+        s.resolved = True
+
+    def _chained_spec(self, s: ScheduledSeq) -> SeqSpec:
+        c, lease = s.chain, s.req.lease
+        tokens = np.zeros(1 + c.ndraft, np.int32)
+        tokens[1:1 + len(c.proposal)] = c.proposal
+        return SeqSpec(tokens=tokens, prefix_len=s.start, page_ids=lease.page_ids,
+                       read_slot=c.cand[c.base], write_slot=s.write_slot,
+                       snapshots=[(j, s.targets[j - 1]) for j in range(1, c.ndraft + 1)],
+                       logits="all")
+
     def verify_spec(self, s: ScheduledSeq) -> SeqSpec:
         """The row: ``[last token, d_1..d_m]``, logits everywhere, a state at every offset."""
+        if s.chain is not None:
+            return self._chained_spec(s)
         req, start, m = s.req, s.start, len(s.drafts)
         window = req.lease.row_snapshots(start, start + m + 1)
         snaps = [(j, s.targets[j - 1]) for j in range(1, m + 1)]
@@ -150,6 +225,12 @@ class SpecDecoder:
         n = start + emitted
         req.lease.written(n, s.targets[emitted - 1], prefill_done=True)
         req.lease.settle_window(start, start + m + 1, n)
+        nxt = self.flying.get(req.request_id)
+        if emitted <= accepted and nxt is not None and nxt[0].chain is not None:
+            c = nxt[0].chain  # [overlap] a stop inside the drafts: the chained row in flight
+            if s.targets[emitted - 1] in targets(c.pool, c.cand[accepted], c.ndraft + 1):
+                req.lease.state_overwritten()  # writes the state: no end snapshot of it
+        self.last_accepted = accepted
         if self.adaptive:
             self._budget[req.request_id] = min(self.k, accepted + 1)
         self.verify_steps += 1

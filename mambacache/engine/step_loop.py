@@ -74,6 +74,7 @@ class InFlight:
     rows: list[tuple[int, int]]  # (index into scheduled, first logits row) of sampling rows
     tokens: Any  # [L] int32, on the device until read
     logprobs: Any  # [L] float32
+    drafts: Any = None  # [speculative mtp] int32 [rows, k]: the MTP head's drafts per row
 
 
 class StepLoop:
@@ -153,11 +154,12 @@ class StepLoop:
             rows = [(i, i) for i, s in enumerate(scheduled) if s.samples]
         else:
             first = first_logit_row(scheduled)
-            rows = [(i, first[i]) for i, s in enumerate(scheduled) if s.drafts or s.samples]
+            rows = [(i, first[i]) for i, s in enumerate(scheduled) if s.verifies or s.samples]
+            self.spec.dispatched(scheduled)
         for s in scheduled:
-            if not s.drafts:  # a verify row's progress depends on its tokens
+            if not s.verifies:  # a verify row's progress depends on its tokens
                 self._advance(s)
-        return InFlight(scheduled, rows, tokens, logprobs)
+        return InFlight(scheduled, rows, tokens, logprobs, e.runner.last_drafts)
 
     def _read(self, fl: InFlight, outs: list[RequestOutput]) -> float:
         """Wait for ``fl``'s tokens; append them to the requests still waiting for them (the
@@ -171,9 +173,9 @@ class StepLoop:
             e.stats.on_flight(time.perf_counter(), -1)
             outs += self._fail_all(err)
             return time.perf_counter() - t_wait
-        drafts = e.runner.last_drafts if not self.depth else None
+        drafts = np.asarray(fl.drafts) if fl.drafts is not None else None
         if drafts is not None:  # [speculative mtp] keep the drafts for each row's next step
-            self.spec.drafter.observe(fl.scheduled, np.asarray(drafts))
+            self.spec.drafter.observe(fl.scheduled, drafts)
         now = time.perf_counter()
         e.stats.on_flight(now, -1)
         for i, row in fl.rows:
@@ -181,15 +183,22 @@ class StepLoop:
             req = s.req
             if req.status is Status.FINISHED:
                 continue  # finished (stop, abort, error) while this row ran: its token is dropped
-            if s.drafts:
+            if self.depth:
+                e.scheduler.token_read(req)
+            if s.verifies and req.status is not Status.RUNNING:
+                continue  # [overlap] preempted with its verify in flight: recomputed later
+            accepted = 0
+            if s.verifies:
                 n = len(s.drafts) + 1
                 out = self._accept_verify(s, tokens[row:row + n], logprobs[row:row + n], now)
+                accepted = self.spec.last_accepted
             else:
-                if self.depth:
-                    e.scheduler.token_read(req)
                 out = self._append(req, int(tokens[row]), float(logprobs[row]), now)
             if out is not None:
                 outs.append(out)
+            elif self.depth and self.spec is not None:  # its chained row in flight
+                self.spec.resolve(req, accepted, int(tokens[row + accepted]),
+                                  drafts[i] if drafts is not None else None)
         return now - t_wait
 
     def _drop(self) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 if TYPE_CHECKING:
     from mambacache.engine.request import Request
     from mambacache.engine.sampling_params import SamplingParams
+    from mambacache.engine.spec_chain import Chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,16 @@ class ScheduledSeq:
     # ``req.token_ids``), and the slot the state after offset j + 1 goes to, per j
     drafts: tuple[int, ...] = ()
     targets: tuple[int, ...] = ()
+    # [speculative, overlap] built before the request's previous row was read: shifted on the
+    # device by its outcome (engine/spec_chain.py); ``start``, ``targets`` and ``drafts`` are
+    # the host's assumption (every draft of the previous row accepted) until ``resolved``
+    chain: Chain | None = None
+    resolved: bool = False
+
+    @property
+    def verifies(self) -> bool:
+        """A verify row: its progress is known only once its tokens are read."""
+        return bool(self.drafts) or self.chain is not None
 
     @property
     def samples(self) -> bool:
