@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-KEYS = ("output_throughput", "device_idle_share", "host_bound_share", "host_share", "num_steps")
+KEYS = ("output_throughput", "device_idle_share", "host_bound_share", "host_share", "num_steps",
+        "spec_tokens_per_verify", "spec_accept_rate")
 
 
 def main(argv: list[str] | None = None) -> dict:

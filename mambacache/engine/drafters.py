@@ -96,9 +96,10 @@ class MtpDrafter(Drafter):
         return self._drafts.get(req.request_id, [])[:max(k, 0)]
 
     def observe(self, scheduled: Sequence[ScheduledSeq], drafts: np.ndarray) -> None:
-        """Keep row ``b``'s drafts (``drafts[b]``, int32 ``[k]``) for its request if it sampled."""
+        """Keep row ``b``'s drafts (``drafts[b]``, int32 ``[k]``) for its request if it sampled
+        and still runs ([overlap] a row read after its request finished is dropped)."""
         for b, s in enumerate(scheduled):
-            if s.drafts or s.samples:
+            if (s.verifies or s.samples) and s.req.lease.held:
                 self._drafts[s.req.request_id] = drafts[b].tolist()
 
     def forget(self, request_id: int) -> None:

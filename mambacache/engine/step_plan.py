@@ -105,6 +105,8 @@ def logit_rows(
     steps: list[int] = []
     for s in scheduled:
         n_out = s.req.num_outputs
+        if s.chain is not None:  # as if the row before accepts all its drafts (spec_chain)
+            n_out += s.chain.base
         if s.spec.logits == "all":
             params += [s.req.params] * len(s.spec.tokens)
             steps += range(n_out, n_out + len(s.spec.tokens))
