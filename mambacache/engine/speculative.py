@@ -231,12 +231,13 @@ class SpecDecoder:
             if s.targets[emitted - 1] in targets(c.pool, c.cand[accepted], c.ndraft + 1):
                 req.lease.state_overwritten()  # writes the state: no end snapshot of it
         self.last_accepted = accepted
-        if self.adaptive:
-            self._budget[req.request_id] = min(self.k, accepted + 1)
-        self.verify_steps += 1
-        self.draft_tokens += m
-        self.accepted_tokens += accepted
-        self.emitted_tokens += emitted
+        if m:  # [overlap] a chained row whose drafts did not hold is a decode, not a verify
+            if self.adaptive:
+                self._budget[req.request_id] = min(self.k, accepted + 1)
+            self.verify_steps += 1
+            self.draft_tokens += m
+            self.accepted_tokens += accepted
+            self.emitted_tokens += emitted
         return emitted
 
     # ---- observability ---------------------------------------------------------------------
