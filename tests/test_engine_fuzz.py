@@ -32,7 +32,7 @@ def _workload(rng: np.random.Generator):
 
 
 def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
-            host_tier: bool = False):
+            host_tier: bool = False, byte_budget: bool = False):
     page = int(rng.choice([1, 2, 4]))
     biggest = max(len(p) + n for p, n, _ in reqs)
     kv = (-(-biggest // page) + int(rng.integers(0, 12))) * page
@@ -43,6 +43,12 @@ def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
     if host_tier:  # a host tier of 1 to 200 pages of KV (states the size of 4 tokens' KV)
         tier = {"cache.host_memory_bytes": int(rng.integers(1, 200)) * page + 4,
                 "cache.state_bytes": 4, "cache.kv_bytes_per_token": 1}
+    if byte_budget:  # KV and states share bytes (a state = 4 tokens' KV) under the id caps,
+        # room for the biggest request and a few slots; admission held back at a random share
+        tier = {"cache.memory_bytes": -(-biggest // page) * page + 4 * int(rng.integers(3, 12))
+                + int(rng.integers(0, kv)), "cache.state_bytes": 4,
+                "cache.kv_bytes_per_token": 1,
+                "cache.running_share": float(rng.choice([0.2, 0.5, 0.8, 1.0]))}
     return shadow_engine(
         runner_kwargs={"fail_step": lambda step: bool(fail_rng.random() < fail_rate),
                        "lose_pools_on_failure": lose,
@@ -65,11 +71,19 @@ def _params(eng, rng: np.random.Generator, prompt: list[int], n: int) -> mc.Samp
 
 
 def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True,
-             host_tier: bool = False) -> int:
+             host_tier: bool = False, byte_budget: bool = False) -> int:
     """One random scenario to completion; returns the number of steps. Raises on any bug."""
     rng = np.random.default_rng(seed)
     reqs = _workload(rng)
-    eng = _engine(rng, reqs, fail_rate, overlap, host_tier)
+    eng = _engine(rng, reqs, fail_rate, overlap, host_tier, byte_budget)
+    if byte_budget:  # count the admissions the running share held back
+        LAST["held_back"], holds_back = 0, eng.manager.holds_back
+
+        def counted(*args):
+            held = holds_back(*args)
+            LAST["held_back"] += held
+            return held
+        eng.manager.holds_back = counted
     todo = list(reqs)
     ids: dict[int, tuple[list[int], mc.SamplingParams]] = {}
     outs = []
@@ -123,6 +137,18 @@ def test_fuzz_host_tier(overlap):
         run_fuzz(seed, overlap=overlap, host_tier=True)
         transfers += LAST["transfers"]
     assert transfers > 20  # the tier really moved states both ways
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fuzz_byte_budget(overlap):
+    """KV and states on one byte budget, admission held back at a random running share
+    (``cache.running_share``): every read checked, integrity after every step, every request
+    finishes (nothing held back while nothing runs)."""
+    held_back = 0
+    for seed in range(300, 324):
+        run_fuzz(seed, overlap=overlap, byte_budget=True)
+        held_back += LAST["held_back"]
+    assert held_back > 0  # the rule really held requests back
 
 
 @pytest.mark.parametrize("overlap", [True, False])
