@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from serve_helpers import MODEL, running_server
 
+from mambacache.serve.tokenizer import write_byte_tokenizer_json
+
 NO_WARMUP = {"serve.warmup": False}  # the first requests compile what they use
 
 pytestmark = pytest.mark.lm_eval
@@ -30,31 +32,6 @@ QUESTIONS = [
     ("The sky is", ["blue", "green", "loud"], 0),
     ("JAX compiles with", ["XLA", "a hammer"], 0),
 ]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (ByteLevel's alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def write_byte_tokenizer(directory: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: b for b, c in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}))
 
 
 def write_task(directory: Path) -> str:
@@ -91,7 +68,7 @@ def test_lm_eval_multiple_choice_runs_to_a_score(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    write_byte_tokenizer(tmp_path / "tok")
+    write_byte_tokenizer_json(tmp_path / "tok", specials=False)
     task = write_task(tmp_path / "task")
     with running_server(**NO_WARMUP) as srv:
         out = lm_eval.simple_evaluate(

@@ -5,8 +5,6 @@ mask allows always ends, and its text is what the schema asks for."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,10 +12,7 @@ import pytest
 
 from mambacache.serve import structured
 from mambacache.serve.protocol import ApiError
-from mambacache.serve.tokenizer import ByteTokenizer, HFTokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from sglang_bench_serving import write_tokenizer  # noqa: E402
+from mambacache.serve.tokenizer import ByteTokenizer, HFTokenizer, write_byte_tokenizer_json
 
 VOCAB = 512
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["mode", "on"],
@@ -30,7 +25,7 @@ def server(request, tmp_path_factory):
         tok = ByteTokenizer(VOCAB)
     else:
         directory = tmp_path_factory.mktemp("tok")
-        write_tokenizer(str(directory))
+        write_byte_tokenizer_json(directory)
         tok = HFTokenizer(directory)
     return SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(
         model_cfg=SimpleNamespace(vocab_size=VOCAB)))

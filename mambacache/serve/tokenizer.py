@@ -194,6 +194,42 @@ def encode_chat(tok: Tokenizer, messages: Sequence[Mapping[str, Any]],
     return ids
 
 
+def write_byte_tokenizer_json(directory: str | Path, *, specials: bool = True) -> None:
+    """The byte-level tokenizer as a Hugging Face ``tokenizer.json`` + ``tokenizer_config.json``
+    in ``directory`` (ByteLevel BPE without merges: id = byte; ``specials``: then the three
+    special tokens, EOS ``<|endoftext|>``), for clients that count tokens with ``transformers``
+    (SGLang's ``bench_serving``, lm-eval): they get the server's ids. ``HFTokenizer`` reads it
+    back with the same ids as ``ByteTokenizer``."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTok
+
+    tok = HFTok(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              "model_max_length": 1 << 20}
+    if specials:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in BYTE_SPECIALS])
+        config["eos_token"] = BYTE_SPECIALS[0]
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (ByteLevel's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(NUM_BYTES):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
