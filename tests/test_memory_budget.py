@@ -189,3 +189,24 @@ def test_pool_resize_keeps_rows_and_zeroes_new_ones():
     assert float(grown.ssm[0][2].max()) == 0 and grown.ssm[0].dtype == jnp.float32
     with pytest.raises(ValueError, match="resized needs"):
         pools.resized(0, 4)
+
+
+def test_device_split_follows_the_state_size_and_keeps_running_slots():
+    """Two fixed device pools: a state with the KV of ``DEVICE_TOKENS_PER_STATE`` tokens (a 7B
+    hybrid's 409-token state -> 0.31 of the bytes, Qwen3-Next-80B-A3B's 3,144 -> 0.78), clamped,
+    and never fewer than two slots per running request (the tiny model's 66-token state)."""
+    from mambacache.cache.budget import DEVICE_TOKENS_PER_STATE, device_state_share
+    from mambacache.config import EngineConfig
+    from mambacache.engine.pools import size_pools
+    from models.presets import get_preset
+
+    assert device_state_share(409, 1, 1) == pytest.approx(409 / (409 + DEVICE_TOKENS_PER_STATE))
+    assert 0.3 < device_state_share(26_800_000, 65_526, 1) < 0.32
+    assert 0.77 < device_state_share(77_266_944, 24_576, 1) < 0.79
+    assert device_state_share(1, 1_000, 1) == 0.1 and device_state_share(10**9, 1, 1) == 0.9
+    cfg = EngineConfig().replace(**{"cache.memory_bytes": 2_000_000, "cache.num_kv_tokens": 0,
+                                    "cache.num_mamba_slots": 0})
+    sized, plan = size_pools(cfg, get_preset("tiny_qwen3_next"), physical=True, context_len=4096)
+    running = cfg.scheduler.max_running_requests
+    assert sized.cache.num_mamba_slots == plan.num_slots >= 2 * running  # 0.1 alone gives 11
+    assert plan.pool_bytes <= 2_000_000

@@ -149,7 +149,8 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
     device: ``parallel.sizing.device_cache_budget``). ``physical``: pools that are device
     arrays (the model runner). They are not rebalanced between steps yet, so a shared budget
     is split there at ``device_state_share`` of the bytes for states (a state with the KV of
-    ``DEVICE_TOKENS_PER_STATE`` tokens; never beyond the budget);
+    ``DEVICE_TOKENS_PER_STATE`` tokens; at least two slots per running request; never beyond
+    the budget);
     the host-only runners (shadow, simulator) share it. ``device_sizes``: ``(state_bytes,
     kv_bytes_per_token)`` per device as the mesh lays the pools out (tensor parallelism shards
     them: ``parallel.sizing.unit_bytes``); the budget is per device."""
@@ -174,10 +175,13 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
 
         scratch = num_state_slots(cfg) - cc.num_mamba_slots
         usable -= kv * cc.page_size + (1 + scratch) * state
-    plan = plan_pools(cc, kv * cc.page_size, state, context_len=ctx,
-                      max_running=cfg.scheduler.max_running_requests, memory_bytes=usable,
-                      state_share=device_state_share(state, kv * cc.page_size, cc.page_size)
-                      if physical else 0.0)
+    running = cfg.scheduler.max_running_requests
+    share = 0.0
+    if physical:  # at least two slots per running request (its running slot + a snapshot)
+        share = min(0.9, max(device_state_share(state, kv * cc.page_size, cc.page_size),
+                             2 * running * state / max(usable, 1)))
+    plan = plan_pools(cc, kv * cc.page_size, state, context_len=ctx, max_running=running,
+                      memory_bytes=usable, state_share=share)
     logging.info("cache pools from the byte budget (%d bytes per device): %s", limit,
                  plan.describe())
     sized = cfg.replace(**{"cache.memory_bytes": int(limit), "cache.memory_fraction": 0.0,
