@@ -37,6 +37,11 @@ class ModelSection:
     it, so below 1 the residual branches shrink against the embedding and the next token depends
     mostly on the last one: greedy output falls into cycles, like a real model repeating a
     document (the ``spec_ngram`` benchmark; same shapes and compute as the preset).
+
+    ``deterministic`` (off by default): a request's tokens and logprobs are a function of its
+    own tokens alone, bit for bit, whatever shares its steps, the chunked prefill size, the page
+    size, speculative decoding or a cache hit (``docs/engine.md``, "Deterministic mode"). Every
+    step then computes at least ``DETERMINISTIC_MIN_ROWS`` rows; its cost is in the README.
     """
 
     path: str | None = None
@@ -45,6 +50,7 @@ class ModelSection:
     dtype: str = "float32"
     kernels: str = "auto"
     init_branch_scale: float = 1.0
+    deterministic: bool = False
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -57,6 +63,8 @@ class ModelSection:
         _require(self.init_branch_scale == 1.0 or self.path in (None, ""),
                  f"model.init_branch_scale ({self.init_branch_scale}) applies to a random init "
                  f"only, but model.path is {self.path!r}")
+        _require(isinstance(self.deterministic, bool),
+                 f"model.deterministic must be a bool, got {self.deterministic!r}")
         if self.path == "":
             object.__setattr__(self, "path", None)
 

@@ -76,6 +76,9 @@ class ModelConfig:
     # Multi-token prediction head (``models/mtp.py``): MTP layers the params carry (0 or 1;
     # Qwen3-Next / Qwen3.5 families), the speculative ``mtp`` drafter's model.
     num_mtp_layers: int = 0
+    # Serving numerics, not architecture: ``model.deterministic`` (every row reduction in a fixed
+    # order, ``pallas_kernels/fixed_order.py``); the engine sets it, checkpoints never do.
+    deterministic: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fixed_order import row_mean
+
 F32 = jnp.float32
 
 
@@ -23,7 +25,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     Used for input/post-attention/final norms and the attention q/k norms (all families).
     """
     xf = x.astype(F32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_mean(xf * xf) + eps)
     return (xf * (1.0 + weight.astype(F32))).astype(x.dtype)
 
 
@@ -34,7 +36,7 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     """
     dtype = x.dtype
     xf = x.astype(F32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_mean(xf * xf) + eps)
     h = weight * xf.astype(dtype)
     return (h * jax.nn.silu(gate.astype(F32))).astype(dtype)
 
@@ -43,14 +45,14 @@ def rms_norm_plain(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Plain RMSNorm ``w * (x / rms(x))`` (Kimi Linear): statistics in fp32, the normalised value
     cast to x.dtype before the multiply (as transformers' ``KimiLinearRMSNorm``)."""
     xf = x.astype(F32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_mean(xf * xf) + eps)
     return (weight * xf.astype(x.dtype)).astype(x.dtype)
 
 
 def rms_norm_f32_weight(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Nemotron-H's RMSNorm: ``(w * x / rms(x))`` all in fp32, cast once to x.dtype."""
     xf = x.astype(F32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_mean(xf * xf) + eps)
     return (weight.astype(F32) * xf).astype(x.dtype)
 
 
@@ -60,7 +62,7 @@ def sigmoid_gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array,
 
     x, gate: ``[..., D]``; weight ``[D]`` (plain)."""
     xf = x.astype(F32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_mean(xf * xf) + eps)
     return (weight.astype(F32) * xf * jax.nn.sigmoid(gate.astype(F32))).astype(x.dtype)
 
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from models.config import ModelConfig
 from models.layers import F32
 from pallas_kernels import ops
+from pallas_kernels.fixed_order import row_mean
 
 
 def mamba2_sizes(cfg: ModelConfig) -> tuple[int, int, int, int]:
@@ -68,7 +69,7 @@ def grouped_gated_norm(y: jax.Array, z: jax.Array, weight: jax.Array, groups: in
     t, width = y.shape
     hf = y.astype(F32) * jax.nn.silu(z.astype(F32))
     hf = hf.reshape(t, groups, width // groups)
-    hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
+    hf = hf * jax.lax.rsqrt(row_mean(hf * hf) + eps)
     return weight * hf.reshape(t, width).astype(y.dtype)
 
 

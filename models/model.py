@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from models.config import ModelConfig
 from models.moe import mlp_block  # noqa: F401  (re-exported: the Qwen / Kimi feed-forward)
 from pallas_kernels import ops
+from pallas_kernels.fixed_order import fixed_order
 
 KERNELS = ("pallas", "reference", "auto")
 
@@ -87,6 +88,12 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
     if decode and batch.input_ids.shape[0] != batch.read_slot.shape[0]:
         raise ValueError(f"decode needs one token per sequence: {batch.input_ids.shape[0]} tokens, "
                          f"{batch.read_slot.shape[0]} sequences")
+    with fixed_order(cfg.deterministic):  # [deterministic] pallas_kernels/fixed_order.py
+        return _forward(params, pools, batch, cfg, impl, decode, mesh, return_hidden)
+
+
+def _forward(params: dict[str, Any], pools: Any, batch: Any, cfg: ModelConfig, impl: str,
+             decode: bool, mesh: Mesh | None, return_hidden: bool) -> tuple[Any, ...]:
     norm, eps = cfg.model_family.norm, cfg.rms_norm_eps
     h = jnp.take(params["embed"], batch.input_ids, axis=0)
     if cfg.embedding_multiplier != 1.0:

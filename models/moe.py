@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models.layers import F32, swiglu
+from pallas_kernels.fixed_order import row_sum, softmax
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
@@ -48,10 +49,10 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     if bias is not None:
         return _route_biased(x, router, top_k, norm_topk_prob, bias, groups, scale)
-    probs = jax.nn.softmax((x @ router).astype(F32), axis=-1)
+    probs = softmax((x @ router).astype(F32))
     top_vals, top_idx = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
-        top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+        top_vals = top_vals / row_sum(top_vals)
     return top_vals.astype(x.dtype), top_idx.astype(jnp.int32)
 
 
@@ -73,7 +74,7 @@ def _route_biased(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: b
     _, top_idx = jax.lax.top_k(choice, top_k)
     top_vals = jnp.take_along_axis(scores, top_idx, axis=-1)
     if norm_topk_prob:
-        top_vals = top_vals / (jnp.sum(top_vals, axis=-1, keepdims=True) + 1e-20)
+        top_vals = top_vals / (row_sum(top_vals) + 1e-20)
     return (top_vals * scale).astype(x.dtype), top_idx.astype(jnp.int32)
 
 

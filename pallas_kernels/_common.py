@@ -7,6 +7,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fixed_order import row_sum
+
 
 def interpret_default(family: str = "tpu") -> bool:
     """Run the ``family`` ("tpu": Mosaic, "gpu": Triton) kernels interpreted?
@@ -20,7 +22,7 @@ def interpret_default(family: str = "tpu") -> bool:
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """``x * rsqrt(sum(x^2, -1) + eps)`` in float32 (transformers' ``l2norm``)."""
     x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * jax.lax.rsqrt(row_sum(x32 * x32) + eps)
 
 
 def token_seq_ids(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:

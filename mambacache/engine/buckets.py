@@ -18,6 +18,12 @@ rules keep the set small and known for a configuration (``Buckets.program_set``)
   distinct offsets of its rows, so never more than its tokens. [speculative] verify rows take
   ``L`` > ``B`` logits rows: a ladder up to ``max_logit_rows``.
 
+[deterministic] ``min_rows`` (``DETERMINISTIC_MIN_ROWS`` under ``model.deterministic``, else 0):
+every program computes at least that many token rows and logits rows (the runner's
+``max_seqs`` is rounded up to it), so the shapes a request's rows meet do not depend on how many
+others share its step: on XLA CPU a row-wise reduction over fewer than 8 rows is vectorised
+along the row and sums in another order (``docs/engine.md``, "Deterministic mode").
+
 So the set is ``(widths + token ladder (x logits ladder)) x page ladder`` programs. A step
 outside it (a sequence longer than ``max_seq_len``, more snapshots than ``S``) still runs, on the
 next power of two: that program is not in the warmed set and counts as a compile
@@ -36,6 +42,7 @@ MIN_PAGE_BUCKET = 64
 MIN_SNAPSHOT_BUCKET = 8
 MIN_SEQ_BUCKET = 4  # decode widths: 4, 8, 16, ... up to max_running_requests (rounded up)
 PAGE_STEP = 4  # pages per sequence: max_pages, max_pages / 4, ... down to MIN_PAGE_BUCKET
+DETERMINISTIC_MIN_ROWS = 32  # [deterministic] the fewest rows (tokens, logits) a program has
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -79,7 +86,8 @@ class Buckets:
     """The ladders of one runner: ``max_seqs`` (widest step, a power of two), ``max_seq_len``
     (tokens of the longest sequence the set covers), ``max_step_tokens`` (most tokens one step
     packs), ``max_logit_rows`` (most logits rows, > max_seqs only with verify rows),
-    ``max_snapshots`` (the snapshot cap of an extend step; 0: ``2 * max_seqs``)."""
+    ``max_snapshots`` (the snapshot cap of an extend step; 0: ``2 * max_seqs``), ``min_rows``
+    (the fewest token rows and decode width of a program; 0: the module's minimums)."""
 
     page_size: int
     max_seqs: int
@@ -87,11 +95,23 @@ class Buckets:
     max_step_tokens: int
     max_logit_rows: int = 0
     max_snapshots: int = 0
+    min_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_seqs", "max_seq_len", "max_step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Buckets.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_rows > self.max_seqs:
+            raise ValueError(f"Buckets.min_rows ({self.min_rows}) exceeds max_seqs "
+                             f"({self.max_seqs})")
+
+    @property
+    def min_width(self) -> int:
+        return max(MIN_SEQ_BUCKET, self.min_rows)
+
+    @property
+    def min_tokens(self) -> int:
+        return max(MIN_TOKEN_BUCKET, self.min_rows)
 
     @property
     def max_pages(self) -> int:
@@ -110,10 +130,10 @@ class Buckets:
         return next((p for p in self.page_ladder() if p >= pages), bucket(pages, 1))
 
     def widths(self) -> list[int]:
-        return sorted({min(w, self.max_seqs) for w in ladder(MIN_SEQ_BUCKET, self.max_seqs)})
+        return sorted({min(w, self.max_seqs) for w in ladder(self.min_width, self.max_seqs)})
 
     def token_ladder(self) -> list[int]:
-        return ladder(MIN_TOKEN_BUCKET, self.max_step_tokens)
+        return ladder(self.min_tokens, self.max_step_tokens)
 
     def snapshots_for(self, num_tokens: int) -> int:
         cap = bucket(self.max_snapshots or 2 * self.max_seqs, 1)
@@ -129,9 +149,9 @@ class Buckets:
         pages = self.pages_for(max(-(-(s.prefix_len + len(s.tokens)) // self.page_size)
                                    for s in seqs))
         if decode:
-            width = min(bucket(len(seqs), MIN_SEQ_BUCKET), self.max_seqs)
+            width = min(bucket(len(seqs), self.min_width), self.max_seqs)
             return StepShape(True, width, width, pages, MIN_SNAPSHOT_BUCKET, width)
-        tokens = bucket(sum(len(s.tokens) for s in seqs), MIN_TOKEN_BUCKET)
+        tokens = bucket(sum(len(s.tokens) for s in seqs), self.min_tokens)
         snaps = max(self.snapshots_for(tokens),
                     bucket(sum(len(s.snapshots) for s in seqs), MIN_SNAPSHOT_BUCKET))
         logits = self.max_seqs if logit_rows <= self.max_seqs else bucket(logit_rows, 1)

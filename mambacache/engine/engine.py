@@ -12,6 +12,7 @@ or interleaved. The server drives the engine from its one ``EngineLoop`` thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.speculative import num_state_slots, spec_metrics
 from mambacache.engine.step_loop import InFlight, Runner, StepLoop
 from mambacache.engine.thread_guard import owned
+from mambacache.engine.warmup import min_rows
 
 if TYPE_CHECKING:
     from mambacache.engine.pools import PoolState
@@ -58,6 +60,9 @@ class Engine:
                 self.cfg = cfg = size_pools(cfg, self.model_cfg)[0]
         else:
             self.model_cfg, params = model if model is not None else load_model(cfg)
+            if cfg.model.deterministic != self.model_cfg.deterministic:  # [deterministic]
+                self.model_cfg = dataclasses.replace(self.model_cfg,
+                                                     deterministic=cfg.model.deterministic)
             self.runner = self._model_runner(params)
             cfg = self.cfg  # [issue 25] pools sized from the byte budget in _model_runner
         if cfg.cache.host_memory_bytes and cfg.cache.enable:  # [host tier] its byte units
@@ -123,7 +128,8 @@ class Engine:
                                   max_seqs=cfg.scheduler.max_running_requests,
                                   num_drafts=cfg.speculative.num_draft_tokens if mtp else 0,
                                   spec_k=cfg.speculative.num_draft_tokens
-                                  if cfg.speculative.enabled else 0)
+                                  if cfg.speculative.enabled else 0,
+                                  min_rows=min_rows(cfg))
         if self.mesh is not None:
             from mambacache.parallel.mesh import shard_engine
 

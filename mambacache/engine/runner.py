@@ -38,6 +38,7 @@ from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, l
 from models.model import forward as model_forward
 from models.mtp import mtp_draft
 from pallas_kernels import ops
+from pallas_kernels.fixed_order import fixed_order
 
 __all__ = ["MIN_PAGE_BUCKET", "MIN_SEQ_BUCKET", "MIN_SNAPSHOT_BUCKET", "MIN_TOKEN_BUCKET",
            "ModelRunner", "bucket", "jitted_sharded_step", "jitted_step"]
@@ -67,7 +68,8 @@ def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
     out = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
                         mesh=mesh, return_hidden=num_drafts > 0)
     pools, logits = out[:2]
-    tokens, logprobs = sample(logits, sb)
+    with fixed_order(getattr(cfg, "deterministic", False)):  # [deterministic]
+        tokens, logprobs = sample(logits, sb)
     drafts = None
     if num_drafts:
         pools, drafts = mtp_draft(params, pools, batch, out[2], tokens,
@@ -130,18 +132,19 @@ class ModelRunner:
 
     def __init__(self, model_cfg: Any, params: Any, pools: PoolState, *, kernels: str,
                  page_size: int, max_seqs: int, num_drafts: int = 0, spec_k: int = 0,
-                 buckets: Buckets | None = None):
+                 buckets: Buckets | None = None, min_rows: int = 0):
         self.model_cfg = model_cfg
         self.params = params
         self.pools = pools
         self.page_size = page_size
-        self.max_seqs = bucket(max_seqs, 1)
+        # [deterministic] ``min_rows``: every program has at least that many rows (buckets.py)
+        self.max_seqs = bucket(max_seqs, max(min_rows, 1))
         self.kernels = kernels
         # the shape rules; ``Engine.warmup`` narrows max_seq_len / max_step_tokens to a workload
         self.buckets = buckets or Buckets(
             page_size, self.max_seqs,
             getattr(model_cfg, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN),
-            max_step_tokens=self.max_seqs)
+            max_step_tokens=self.max_seqs, min_rows=min_rows)
         # every XLA compile made inside ``run`` / ``copy_slots`` / ``warm`` (engine/compiles.py)
         self.compiles = CompileCounter()
         self.warm_compiles = CompileCounter()

@@ -16,6 +16,7 @@ import numpy as np
 
 from mambacache.engine.logit_controls import LogitControls, apply_controls
 from mambacache.engine.sampling_params import SamplingParams
+from pallas_kernels.fixed_order import log_softmax, softmax
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -55,13 +56,13 @@ class SamplingBatch:
 
 def _sample_row(logits: jax.Array, temp, top_k, top_p, seed, step):
     """logits ``[V]`` float32 -> (token int32, logprob float32 of that token, unscaled)."""
-    logprobs = jax.nn.log_softmax(logits)
+    logprobs = log_softmax(logits)
     greedy = jnp.argmax(logits).astype(jnp.int32)
     order = jnp.argsort(-logits)
     sorted_logits = logits[order] / jnp.maximum(temp, 1e-6)
     rank = jnp.arange(logits.shape[0])
     keep = jnp.where(top_k > 0, rank < top_k, True)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+    probs = softmax(jnp.where(keep, sorted_logits, -jnp.inf))
     keep = keep & (jnp.cumsum(probs) - probs < top_p)
     key = jax.random.fold_in(jax.random.key(seed), step)
     pick = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
@@ -72,7 +73,7 @@ def _sample_row(logits: jax.Array, temp, top_k, top_p, seed, step):
 def _greedy_rows(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Every row greedy: argmax and its log-probability, no sort of the vocabulary."""
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = log_softmax(logits)
     return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from absl import logging
 
-from mambacache.engine.buckets import Buckets
+from mambacache.engine.buckets import DETERMINISTIC_MIN_ROWS, Buckets
 
 #: a warmed set larger than this is logged as too large (bound it with ``max_seq_len``)
 LARGE_PROGRAM_SET = 64
@@ -42,7 +42,14 @@ def engine_buckets(cfg: Any, model_cfg: Any, max_seqs: int,
         page_size=cfg.cache.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
         max_step_tokens=sched.chunked_prefill_size + sched.max_running_requests * (1 + k),
         max_logit_rows=sched.max_running_requests * (1 + k) if k else 0,
-        max_snapshots=2 * max_seqs + sched.chunked_prefill_size // max(interval, 1))
+        max_snapshots=2 * max_seqs + sched.chunked_prefill_size // max(interval, 1),
+        min_rows=min_rows(cfg))
+
+
+def min_rows(cfg: Any) -> int:
+    """The fewest rows a step program has: ``DETERMINISTIC_MIN_ROWS`` under
+    ``model.deterministic`` (``engine/buckets.py``), else 0 (the buckets' own minimums)."""
+    return DETERMINISTIC_MIN_ROWS if cfg.model.deterministic else 0
 
 
 def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import check, token_seq_ids
+from pallas_kernels.fixed_order import softmax
 
 
 def token_positions(cu_seqlens: jax.Array, seq_lens: jax.Array, num_tokens: int):
@@ -51,7 +52,7 @@ def paged_attention_reference(q, k_pages, v_pages, cu_seqlens, seq_lens, page_ta
         qg = qt.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
         s = jnp.einsum("hgd,lhd->hgl", qg, kt) * scale
         s = jnp.where(jnp.arange(kt.shape[0]) <= p, s, -jnp.inf)
-        w = jax.nn.softmax(s, axis=-1)
+        w = softmax(s)
         return jnp.einsum("hgl,lhd->hgd", w, vt).reshape(num_q_heads, head_dim)
 
     del page_size
