@@ -1,8 +1,10 @@
 """``model.deterministic`` (issue 28): in bf16, a request's tokens and logprobs are identical
 (``==``) whether it runs alone, cache off, chunked prefill 256, or among other requests with the
-cache on (shared prefixes, an identical prompt), chunked prefill 13, page size 4.
+cache on (shared prefixes, an identical prompt), chunked prefill 13, page size 4; with
+``speculative.method`` ``"none"`` and ``"ngram"``.
 
-The default family runs in CI; the other families (same test, more compiles) behind ``-m slow``.
+The default family without drafts runs in CI; the other cases (same test, more compiles) behind
+``-m slow``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from pallas_kernels.fixed_order import fixed_order, tree_sum
 
 GREEDY = mc.SamplingParams(max_new_tokens=5)
 SLOW = pytest.mark.slow
-FAMILIES = ["tiny_qwen3_next"] + [pytest.param(p, marks=SLOW) for p in (
-    "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_nemotron_h", "tiny_granite_4_h", "tiny_kimi_linear")]
+PRESETS = ("tiny_qwen3_next", "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_nemotron_h",
+           "tiny_granite_4_h", "tiny_kimi_linear")
+CASES = [("tiny_qwen3_next", "none")] + [  # (preset, speculative.method)
+    pytest.param(p, m, marks=SLOW) for m in ("none", "ngram") for p in PRESETS
+    if (p, m) != ("tiny_qwen3_next", "none")]
 
 
 @functools.cache
@@ -49,13 +54,15 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
     return prompts + [prompts[0]], others
 
 
-@pytest.mark.parametrize("preset", FAMILIES)
-def test_alone_equals_batched_chunked_cached(preset):
+@pytest.mark.parametrize("preset,method", CASES)
+def test_alone_equals_batched_chunked_cached(preset, method):
     prompts, others = _prompts()
     alone = _engine(preset, **{"cache.enable": False, "cache.page_size": 4,
-                               "scheduler.chunked_prefill_size": 256})
+                               "scheduler.chunked_prefill_size": 256,
+                               "speculative.method": method})
     a = [alone.generate([p], GREEDY)[0] for p in prompts]
-    batched = _engine(preset, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 13})
+    batched = _engine(preset, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 13,
+                                 "speculative.method": method})
     batched.generate([prompts[0][:34], others[0]], GREEDY)  # the shared prefix is cached
     b = batched.generate(prompts + others, GREEDY)[:len(prompts)]
     for x, y in zip(a, b, strict=True):
