@@ -6,9 +6,12 @@ process (issue 23). Not part of CI; skips with a message when ``sglang`` or ``to
 The trace: ``shared_prefix_trace(N, 16, 512, tail, output_len=16)``. (a) ours: the engine's
 scheduler + cache on the shadow runner (``mambacache.bench.simulate.simulate``, 200k KV tokens,
 256 state slots), reported as ``engine_us_per_request`` (checks excluded) and ``us_per_request``
-(median). (b) SGLang's tree alone, per request in the order its scheduler calls it: match_prefix,
-inc_lock_ref, evict when a pool is short, insert of prompt + output (what cache_finished_req
-inserts), dec_lock_ref. Its allocators are minimal CPU stand-ins written here (a free list of KV
+(median). (b) SGLang's tree alone, driven as its scheduler drives it with the mamba extra buffer
+(``replay_sglang``: the prefill tracks the state at the match's branching point, so a second
+request of a prefix stores the 512-token state and later ones hit it, as ours do), per request in
+its scheduler's order: match_prefix, inc_lock_ref, evict when a pool is short, then
+cache_finished_req's work: free the KV past the tracked length, insert up to it with the tracked
+state, dec_lock_ref. Its allocators are minimal CPU stand-ins written here (a free list of KV
 indices, a free list of state slots) of the same sizes; nothing inside sglang is replaced.
 
 Environment (CPU torch; sglang's own wheel pulls CUDA-only pieces): sglang 0.5.20 is the last
@@ -76,9 +79,12 @@ def inert_torchvision() -> None:
 
 def _import_sglang():
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         return None, "torch is not installed"
+    # the tree's tensors are tiny: one thread. Idle OpenMP workers otherwise spin after each
+    # torch call and take the cores from the measured thread (ours' wall time grew 20x)
+    torch.set_num_threads(1)
     inert_torchvision()
     try:
         from sglang.srt.mem_cache import base_prefix_cache as bpc
@@ -153,57 +159,122 @@ def _sglang_tree(mods, num_kv_tokens: int, num_slots: int):
     kv = CpuKVAllocator(num_kv_tokens)
     slots = CpuSlotAllocator(num_slots)
     params = CacheInitParams(disable=False, req_to_token_pool=CpuReqToTokenPool(slots),
-                             token_to_kv_pool_allocator=kv, page_size=1)
+                             token_to_kv_pool_allocator=kv, page_size=1,
+                             enable_mamba_extra_buffer=True)
     return mrc.MambaRadixCache(params), kv, slots
 
 
-def replay_sglang(mods, trace, num_kv_tokens: int, num_slots: int) -> tuple[list[float], float]:
-    """Seconds per request of SGLang's tree alone (see the module docstring for the calls),
-    and its hit rate (matched prompt tokens / prompt tokens)."""
+def replay_sglang(mods, trace, num_kv_tokens: int, num_slots: int,
+                  track_interval: int = 256) -> tuple[list[float], list[float], float]:
+    """Seconds per request of SGLang's tree alone (wall, and the thread's CPU time), driven as
+    its scheduler drives it with the mamba extra buffer (``--mamba-scheduler-strategy
+    extra_buffer``), and its hit rate (matched prompt tokens / prompt tokens).
+
+    Per request, in its scheduler's order: ``match_prefix`` (which returns the branching point,
+    ``mamba_branching_seqlen``: the last chunk-aligned position of the match without a state),
+    ``inc_lock_ref``, KV for the uncached tokens and two state slots (running + the ping-pong
+    track slot; ``evict`` when a pool is short), then what ``cache_finished_req`` does with the
+    extra buffer: the tracked length is the branching point when the prefill's extend covers it,
+    else the extend's last chunk-aligned position (``schedule_batch``'s track entry), moved on by
+    decode steps landing on ``track_interval``; KV past it is freed, the tokens up to it are
+    inserted with the track slot as their state, the running slot is freed (and the track slot
+    too if the tree had that state), ``dec_lock_ref``."""
     from array import array
 
     import torch
 
     mrc, bpc, _, _, RadixKey = mods
     tree, kv, slots = _sglang_tree(mods, num_kv_tokens, num_slots)
-    times = []
+    grid = tree.mamba_cache_chunk_size
+    times, cpu = [], []
     hit = total = 0
     for r in trace:
         prompt = array("q", r["prompt"])
         full = array("q", list(r["prompt"]) + list(r["output"]))
-        t0 = time.perf_counter()
+        n_prompt, n_fed = len(prompt), len(full) - 1  # the last output token is never fed
+        t0, c0 = time.perf_counter(), time.thread_time()
         m = tree.match_prefix(bpc.MatchPrefixParams(key=RadixKey(prompt)))
         node = m.last_device_node
         tree.inc_lock_ref(node)
-        need = len(full) - len(m.device_indices)
+        cached = len(m.device_indices)
+        need = len(full) - cached
         new = kv.alloc(need)
         if new is None:
             tree.evict(bpc.EvictParams(num_tokens=need - kv.available_size()))
             new = kv.alloc(need)
-        slot = slots.alloc(1)
-        if slot is None:
-            tree.evict(bpc.EvictParams(mamba_num=1))
-            slot = slots.alloc(1)
-        if new is None or slot is None:
+        pair = slots.alloc(2)
+        if pair is None:
+            tree.evict(bpc.EvictParams(mamba_num=2 - slots.available_size()))
+            pair = slots.alloc(2)
+        if new is None or pair is None:
             raise RuntimeError("SGLang's tree could not free room for a request")
+        track = cached + (n_prompt - cached) // grid * grid
+        b = m.mamba_branching_seqlen
+        if b is not None and cached < b < n_prompt and (b - cached) % grid == 0:
+            track = b
+        if n_fed // track_interval * track_interval > n_prompt:  # a decode step's track
+            track = n_fed // track_interval * track_interval
         value = torch.cat([m.device_indices, new])
-        res = tree.insert(bpc.InsertParams(key=RadixKey(full), value=value, mamba_value=slot))
-        if res.mamba_exist:
-            slots.free(slot)
+        if track < len(full):
+            kv.free(value[max(track, cached):])
+        res = tree.insert(bpc.InsertParams(key=RadixKey(full[:track]), value=value[:track],
+                                           mamba_value=pair[1:], prev_prefix_len=cached))
+        slots.free(pair if res.mamba_exist else pair[:1])
         tree.dec_lock_ref(node)
         times.append(time.perf_counter() - t0)
-        hit += len(m.device_indices)
-        total += len(prompt)
-    return times, hit / max(total, 1)
+        cpu.append(time.thread_time() - c0)
+        hit += cached
+        total += n_prompt
+    return times, cpu, hit / max(total, 1)
 
 
 def replay_ours(trace, num_kv_tokens: int, num_slots: int, concurrency: int = 1) -> dict:
+    """``simulate``'s result plus ``engine_cpu_us_per_request``: the thread's CPU time in
+    ``Engine.step`` less the shadow runner's ``run`` (on a loaded machine wall time mostly
+    measures the other processes), per request. Public API only: runs against older trees."""
     from mambacache.bench.simulate import simulate
     from mambacache.config import EngineConfig
+    from mambacache.engine.engine import Engine
+    from mambacache.engine.shadow_runner import ShadowRunner
+
+    cpu = {"step": 0.0, "run": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            c0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                cpu[key] += time.thread_time() - c0
+        return wrapper
 
     cfg = EngineConfig.load(None, overrides={"cache.num_kv_tokens": num_kv_tokens,
                                              "cache.num_mamba_slots": num_slots})
-    return simulate(trace, cfg, concurrency=concurrency)
+    step, run = Engine.step, ShadowRunner.run
+    Engine.step, ShadowRunner.run = timed(step, "step"), timed(run, "run")
+    try:
+        res = simulate(trace, cfg, concurrency=concurrency)
+    finally:
+        Engine.step, ShadowRunner.run = step, run
+    res["engine_cpu_us_per_request"] = (cpu["step"] - cpu["run"]) / res["num_requests"] * 1e6
+    return res
+
+
+def _ours_in(tree: str, args) -> dict:
+    """``replay_ours`` with the ``mambacache`` of another checkout (a subprocess)."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--ours-only", "--ours-tree", tree, "--requests",
+           str(args.requests), "--tail", str(args.tail), "--kv-tokens", str(args.kv_tokens),
+           "--slots", str(args.slots), "--concurrency", str(args.concurrency)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _row(name: str, vals: list[tuple[float, float]]) -> str:
+    wall, cpu = statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals)
+    return f"{name}: wall {wall:.1f} us, CPU {cpu:.1f} us per request (median of {len(vals)})"
 
 
 def main(argv=None) -> int:
@@ -216,31 +287,54 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=1,
                     help="our scheduler.max_running_requests (simulate's default 1)")
+    ap.add_argument("--track-interval", type=int, default=256,
+                    help="SGLang's --mamba-track-interval (decode-tracked states)")
+    ap.add_argument("--baseline-tree", default=None,
+                    help="also run ours from this checkout (e.g. a `git worktree` of an older "
+                         "commit), in each round beside the current tree")
+    ap.add_argument("--ours-tree", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.ours_tree:
+        sys.path.insert(0, args.ours_tree)
+    from mambacache.bench.simulate import shared_prefix_trace
+
+    trace = shared_prefix_trace(args.requests, 16, 512, args.tail, output_len=16, seed=0)
+    if args.ours_only:
+        import json
+
+        res = replay_ours(trace, args.kv_tokens, args.slots, args.concurrency)
+        print(json.dumps({k: res[k] for k in ("engine_us_per_request", "us_per_request",
+                                              "engine_cpu_us_per_request", "hit_rate")}))
+        return 0
     mods, why = _import_sglang()
     if mods is None:
         print(f"skipped: {why} (optional comparison, not part of CI)")
         return 0
-    from mambacache.bench.simulate import shared_prefix_trace
-
-    trace = shared_prefix_trace(args.requests, 16, 512, args.tail, output_len=16, seed=0)
-    ours_mean, ours_med, sgl_med, sgl_mean = [], [], [], []
+    ours, base, sgl, sgl_med = [], [], [], []
     for i in range(args.repeats):
         res = replay_ours(trace, args.kv_tokens, args.slots, args.concurrency)
-        ours_mean.append(res["engine_us_per_request"])
-        ours_med.append(res["us_per_request"])
-        t, sgl_hit = replay_sglang(mods, trace, args.kv_tokens, args.slots)
+        ours.append((res["engine_us_per_request"], res["engine_cpu_us_per_request"]))
+        line = (f"round {i}: ours engine_us_per_request {ours[-1][0]:.1f} (CPU {ours[-1][1]:.1f},"
+                f" hit rate {res['hit_rate']:.3f})")
+        if args.baseline_tree:
+            b = _ours_in(args.baseline_tree, args)
+            base.append((b["engine_us_per_request"], b["engine_cpu_us_per_request"]))
+            line += f"; baseline {base[-1][0]:.1f} (CPU {base[-1][1]:.1f})"
+        t, c, sgl_hit = replay_sglang(mods, trace, args.kv_tokens, args.slots,
+                                     args.track_interval)
+        sgl.append((statistics.fmean(t) * 1e6, statistics.fmean(c) * 1e6))
         sgl_med.append(statistics.median(t) * 1e6)
-        sgl_mean.append(statistics.fmean(t) * 1e6)
-        print(f"pair {i}: ours engine_us_per_request {ours_mean[-1]:.1f} (us_per_request median "
-              f"{ours_med[-1]:.1f}, hit rate {res['hit_rate']:.3f}); SGLang tree median "
-              f"{sgl_med[-1]:.1f} us, mean {sgl_mean[-1]:.1f} us, hit rate {sgl_hit:.3f}",
-              flush=True)
-    o, s = statistics.median(ours_mean), statistics.median(sgl_med)
-    print(f"median over {args.repeats}: ours engine_us_per_request {o:.1f} us, "
-          f"us_per_request {statistics.median(ours_med):.1f} us; SGLang MambaRadixCache "
-          f"median {s:.1f} us, mean {statistics.median(sgl_mean):.1f} us per request; "
-          f"ratio SGLang / ours (engine_us_per_request) {s / o:.2f}x")
+        print(f"{line}; SGLang tree mean {sgl[-1][0]:.1f} (CPU {sgl[-1][1]:.1f}), median "
+              f"{sgl_med[-1]:.1f} us, hit rate {sgl_hit:.3f}", flush=True)
+    print(_row("ours engine_us_per_request", ours))
+    if base:
+        print(_row("baseline engine_us_per_request", base))
+    print(_row("SGLang MambaRadixCache (mean per request)", sgl)
+          + f"; its per-request median {statistics.median(sgl_med):.1f} us")
+    o, s = statistics.median(v[1] for v in ours), statistics.median(v[1] for v in sgl)
+    print(f"ratio SGLang / ours, CPU per request: {s / o:.2f}x (wall "
+          f"{statistics.median(v[0] for v in sgl) / statistics.median(v[0] for v in ours):.2f}x)")
     return 0
 
 

@@ -70,19 +70,31 @@ def build_forward_batch(seqs: Sequence[SeqSpec], page_size: int, *, num_tokens: 
                         as_numpy: bool = False, all_pages: bool = False) -> Any:
     """Pack ``seqs`` into a ``ForwardBatch`` padded to the given sizes (default: exact fit).
     ``all_pages``: page tables list every page a sequence holds (up to P), not only those its
-    ``seq_lens`` cover [speculative: the MTP drafts' K/V go past the step's tokens]."""
-    ext = [len(s.tokens) for s in seqs]
-    total = sum(ext)
+    ``seq_lens`` cover [speculative: the MTP drafts' K/V go past the step's tokens].
+
+    Array work over the whole step: per row only its fields are read (no numpy call per row
+    but the ``tokens`` one), so a decode step of hundreds of rows costs the host little."""
+    n_seq = len(seqs)
+    ext = np.fromiter((len(s.tokens) for s in seqs), np.int64, n_seq)
+    prefix = np.fromiter((s.prefix_len for s in seqs), np.int64, n_seq)
+    total = int(ext.sum())
     T = num_tokens if num_tokens is not None else max(total, 1)
-    B = num_seqs if num_seqs is not None else max(len(seqs), 1)
-    need_pages = [-(-(s.prefix_len + n) // page_size) for s, n in zip(seqs, ext, strict=True)]
-    P = num_pages_per_seq if num_pages_per_seq is not None else max(need_pages + [1])
+    B = num_seqs if num_seqs is not None else max(n_seq, 1)
+    seq_end = prefix + ext
+    need = -(-seq_end // page_size)
+    most = int(need.max()) if n_seq else 0
+    P = num_pages_per_seq if num_pages_per_seq is not None else max(most, 1)
     snaps = [(i, off, slot) for i, s in enumerate(seqs) for off, slot in s.snapshots]
     S = num_snapshots if num_snapshots is not None else max(len(snaps), 1)
-    if total > T or len(seqs) > B or max(need_pages + [0]) > P or len(snaps) > S:
+    if total > T or n_seq > B or most > P or len(snaps) > S:
         raise ValueError(
-            f"batch does not fit its buckets: tokens {total}/{T}, seqs {len(seqs)}/{B}, "
-            f"pages {max(need_pages + [0])}/{P}, snapshots {len(snaps)}/{S}")
+            f"batch does not fit its buckets: tokens {total}/{T}, seqs {n_seq}/{B}, "
+            f"pages {most}/{P}, snapshots {len(snaps)}/{S}")
+    held = np.fromiter((len(s.page_ids) for s in seqs), np.int64, n_seq)
+    short = np.flatnonzero(held < need)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"sequence {i} needs {need[i]} pages, got {held[i]}")
     ids = np.zeros(T, np.int32)
     pos = np.zeros(T, np.int32)
     loc = np.zeros(T, np.int32)
@@ -91,27 +103,34 @@ def build_forward_batch(seqs: Sequence[SeqSpec], page_size: int, *, num_tokens: 
     table = np.zeros((B, P), np.int32)
     read = np.zeros(B, np.int32)
     write = np.zeros(B, np.int32)
-    logit_idx: list[int] = []
-    start = 0
-    for i, s in enumerate(seqs):
-        n = ext[i]
-        if len(s.page_ids) < need_pages[i]:
-            raise ValueError(f"sequence {i} needs {need_pages[i]} pages, got {len(s.page_ids)}")
-        cu[i] = start
-        p = np.arange(s.prefix_len, s.prefix_len + n, dtype=np.int32)
-        pages = np.asarray(s.page_ids, np.int32)[:need_pages[i]]
-        ids[start:start + n] = np.asarray(s.tokens, np.int32)
-        pos[start:start + n] = p
-        loc[start:start + n] = pages[p // page_size] * page_size + p % page_size
-        seq_lens[i] = s.prefix_len + n
-        held = np.asarray(s.page_ids[:P], np.int32) if all_pages else pages
-        table[i, :len(held)] = held
-        read[i], write[i] = s.read_slot, s.write_slot
-        if s.logits == "all":
-            logit_idx.extend(range(start, start + n))
-        elif s.logits == "last" and n > 0:
-            logit_idx.append(start + n - 1)
-        start += n
+    starts = np.cumsum(ext) - ext
+    cu[:n_seq] = starts
+    seq_lens[:n_seq] = seq_end
+    read[:n_seq] = np.fromiter((s.read_slot for s in seqs), np.int64, n_seq)
+    write[:n_seq] = np.fromiter((s.write_slot for s in seqs), np.int64, n_seq)
+    if n_seq:
+        # each row's page ids (those its seq_lens cover, or all up to P), row-major
+        width = np.minimum(held, P) if all_pages else need
+        flat = np.concatenate([np.asarray(s.page_ids[:w], np.int32)
+                               for s, w in zip(seqs, width.tolist(), strict=True)])
+        table[:n_seq][np.arange(P) < width[:, None]] = flat
+    if total:
+        ids[:total] = np.concatenate([np.asarray(s.tokens, np.int32) for s in seqs])
+        row = np.repeat(np.arange(n_seq), ext)
+        p = np.arange(total) + np.repeat(prefix - starts, ext)
+        pos[:total] = p
+        loc[:total] = table[row, p // page_size] * page_size + p % page_size
+    kinds = [s.logits for s in seqs]
+    if kinds.count("last") == n_seq:
+        logit_idx = (starts + ext - 1)[ext > 0]
+    else:  # verify rows ("all"), rows without logits ("none")
+        out: list[int] = []
+        for start, n, kind in zip(starts.tolist(), ext.tolist(), kinds, strict=True):
+            if kind == "all":
+                out.extend(range(start, start + n))
+            elif kind == "last" and n > 0:
+                out.append(start + n - 1)
+        logit_idx = np.asarray(out, np.int64)
     L = num_logits if num_logits is not None else max(len(logit_idx), 1)
     if len(logit_idx) > L:
         raise ValueError(f"batch does not fit its buckets: logits {len(logit_idx)}/{L}")

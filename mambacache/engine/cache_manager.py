@@ -74,6 +74,31 @@ class CacheManager:
         """[host tier] An admitted request matched ``tokens`` that ``promote`` brought back."""
         self.cache.host_tier.count_hit(tokens)
 
+    def grow_rows(self, rows: Sequence[tuple[Request, int]]) -> bool:
+        """Grow each request's lease to its end (``Lease.grow``) with one page allocation for
+        the whole step, each lease getting the page ids its own ``grow`` in this order would
+        have got. Only when that is certain: the free pages suffice (no eviction), no byte
+        budget, no boundary snapshots (whose slot allocations could evict pages between the
+        grows). False (nothing taken): grow them one by one. Mutates the leases' pages and the
+        page allocator."""
+        needs = [req.lease.pages_short(end) for req, end in rows]
+        total = 0
+        for k in needs:
+            if k > 0:
+                total += k
+        if not total:
+            return True
+        cache = self.cache
+        if self.boundary_snapshots or cache.budget is not None or total > cache.pages.num_free:
+            return False
+        ids = cache.alloc_pages(total)  # one grow after another: the top of the free stack,
+        hi = total  # the first grow's pages uppermost
+        for (req, _), k in zip(rows, needs, strict=True):
+            if k > 0:
+                req.lease.take_pages(ids[hi - k:hi])
+                hi -= k
+        return True
+
     # ---- page arithmetic ---------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens (the one ceiling division of the engine)."""

@@ -133,7 +133,7 @@ class Engine:
         if self.mesh is not None:
             from mambacache.parallel.mesh import shard_engine
 
-            shard_engine(self)
+            self.mesh = shard_engine(self)
         return self.runner
 
     def _pool_sharding(self):
@@ -225,7 +225,8 @@ class Engine:
         ``compiles`` (XLA compiles JAX reported), ``compile_s``, ``seconds``."""
         from mambacache.engine.warmup import warmup
 
-        return warmup(self, max_seq_len)
+        self.warmup_stats = warmup(self, max_seq_len)
+        return self.warmup_stats
 
     # ---- [parallel] warm restarts: parallel/checkpoint.py -----------------------------------
     @property
@@ -239,7 +240,7 @@ class Engine:
             raise ValueError(f"cannot replace the pools while requests run "
                              f"({len(self.scheduler.running)} running, "
                              f"{len(self.scheduler.waiting)} waiting)")
-        self.runner.pools = pools
+        self.runner.place(self.runner.params, pools)
 
     @owned
     def save(self, path: str) -> None:

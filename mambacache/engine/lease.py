@@ -61,7 +61,7 @@ class TokenSource(Protocol):
 class Lease:
     """One request's cache state (module docstring). Created empty by ``CacheManager.lease``."""
 
-    __slots__ = ("_mgr", "_page_ids_memo", *LEASE_FIELDS)
+    __slots__ = ("_mgr", "_page_ids_memo", "_page_buf", "_page_view", *LEASE_FIELDS)
 
     def __init__(self, manager: CacheManager):
         self._mgr = manager
@@ -83,6 +83,15 @@ class Lease:
         # (cached, own, their concatenation) of the last ``page_ids``: page arrays are never
         # written in place, only reassigned, so identity says it is current
         self._page_ids_memo: tuple | None = None
+        self._drop_page_buf()
+
+    def _drop_page_buf(self) -> None:
+        """Forget the growth buffer (``grow``): called wherever a page list is reassigned
+        other than by ``grow``. ``_page_buf`` holds ``cached_page_ids`` then ``own_page_ids``
+        then spare room; ``own_page_ids`` and ``_page_view`` (= ``page_ids``) are views of it.
+        ``grow`` writes only past the views' end, so no array handed out ever changes."""
+        self._page_buf: np.ndarray | None = None
+        self._page_view: np.ndarray | None = None
 
     # ---- reads -----------------------------------------------------------------------------
     @property
@@ -94,6 +103,9 @@ class Lease:
     def page_ids(self) -> np.ndarray:
         """``cached_page_ids + own_page_ids`` (int32; read only: it may be either part itself or
         the concatenation kept from the last call while neither part was reassigned)."""
+        view = self._page_view
+        if view is not None:  # grown in place (``grow``)
+            return view
         cached, own = self.cached_page_ids, self.own_page_ids
         if not len(cached):
             return own
@@ -151,6 +163,7 @@ class Lease:
         # an admitted lease is empty (new, or cleared by ``release`` / ``abandon``)
         self.node, self.read_slot, self.running_slot = m.node, m.read_slot, int(slots[0])
         self.cached_page_ids = as_tokens(m.page_ids)  # int32 already: no copy
+        self._drop_page_buf()
         self.num_computed = m.cached_len
         return True
 
@@ -183,16 +196,42 @@ class Lease:
     def grow(self, end: int) -> bool:
         """Make the pages cover ``end`` tokens; False if the pool cannot (nothing taken).
         Mutates ``own_page_ids`` and the page allocator (may evict unlocked tree pages)."""
-        # pages_for(end), inline: called per row of every step
+        # pages_short(end), inline: called per row of every step
         need = -(-end // self._mgr.page_size) - len(self.cached_page_ids) - len(self.own_page_ids)
         if need <= 0:
             return True
         pages = self._mgr.cache.alloc_pages(need)
         if pages is None:
             return False
-        own = self.own_page_ids
-        self.own_page_ids = np.concatenate([own, pages]) if len(own) else pages
+        self.take_pages(pages)
         return True
+
+    def pages_short(self, end: int) -> int:
+        """Pages ``grow(end)`` would allocate (0 or less: none). No mutation."""
+        return -(-end // self._mgr.page_size) - len(self.cached_page_ids) - len(self.own_page_ids)
+
+    def take_pages(self, pages: np.ndarray) -> None:
+        """Append ``pages``, allocated for this lease (by ``grow``, or by
+        ``CacheManager.grow_rows`` for a whole step), to ``own_page_ids``. Mutates
+        ``own_page_ids``.
+
+        In place into a buffer with room: a decode row adds one page per step at page size 1,
+        without a copy of the whole list per step."""
+        num_cached = len(self.cached_page_ids)
+        have = num_cached + len(self.own_page_ids)
+        buf, total = self._page_buf, have + len(pages)
+        if buf is None or len(buf) < total:
+            old = buf
+            buf = np.empty(max(2 * total, 64), np.int32)
+            if old is not None:
+                buf[:have] = old[:have]
+            else:
+                buf[:num_cached] = self.cached_page_ids
+                buf[num_cached:have] = self.own_page_ids
+            self._page_buf = buf
+        buf[have:total] = pages
+        self.own_page_ids = buf[num_cached:total]
+        self._page_view = buf[:total]
 
     def room(self, start: int) -> int:
         """Tokens past ``start`` the pages already cover."""
@@ -328,6 +367,7 @@ class Lease:
         self.node = res.node
         self.cached_page_ids = np.asarray(res.page_ids, np.int32)
         self.own_page_ids = pages[num_pages:]
+        self._drop_page_buf()
 
     def release(self, src: TokenSource, *, keep: bool) -> None:
         """Give back everything; ``keep``: insert the computed tokens and written states first

@@ -45,7 +45,10 @@ class EngineMetrics:
         if not scheduled:  # [overlap] a call that only read the step in flight
             return
         self.num_steps += 1
-        if all(s.end - s.start == 1 and s.start >= s.req.prompt_len for s in scheduled):
+        for s in scheduled:  # a loop, not all(generator): per row of every step
+            if s.end - s.start != 1 or s.start < s.req.prompt_len:
+                break
+        else:
             self.pure_decode_steps += 1
             self.decode_program_steps += is_decode_step([s.spec for s in scheduled])
         c = engine.cache  # protected share of each pool (cache.stats()'s usage, without a dict)

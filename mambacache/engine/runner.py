@@ -170,6 +170,15 @@ class ModelRunner:
                     else jax.default_backend())
         self.copy_back = platform != "cpu"
 
+    def place(self, params: Any, pools: PoolState) -> None:
+        """Run from now on with ``params`` and ``pools`` (same layout: placed on a mesh by
+        ``parallel.mesh.shard_engine``, or restored rows from ``Engine.replace_pools``)."""
+        self.params, self.pools = params, pools
+
+    def use_buckets(self, buckets: Buckets) -> None:
+        """Pad steps to ``buckets``' shapes from now on (``Engine.warmup`` narrows them)."""
+        self.buckets = buckets
+
     # [parallel] tensor parallel: set by ``mambacache.parallel.mesh.shard_engine``
     def use_shardings(self, mesh: Any, pool_sh: Any) -> None:
         """Compile the step for ``mesh``, pools placed with ``pool_sh`` (params: as placed)."""
@@ -327,10 +336,11 @@ def future_index(seqs: Sequence[SeqSpec], num_tokens: int) -> np.ndarray:
     """int32 ``[num_tokens]`` (packed like ``build_forward_batch``): ``s.prev_index`` at the last
     extend token of each sequence that has one, -1 elsewhere (the token is known) [overlap]."""
     out = np.full(num_tokens, -1, np.int32)
-    ends = np.cumsum([len(s.tokens) for s in seqs]) - 1
-    for s, end in zip(seqs, ends.tolist(), strict=True):
-        if s.prev_index >= 0:
-            out[end] = s.prev_index
+    n = len(seqs)
+    ends = np.cumsum(np.fromiter((len(s.tokens) for s in seqs), np.int64, n)) - 1
+    prev = np.fromiter((s.prev_index for s in seqs), np.int64, n)
+    has = prev >= 0
+    out[ends[has]] = prev[has]
     return out
 
 

@@ -77,11 +77,12 @@ class Scheduler:
     def _spec(self, s: ScheduledSeq) -> SeqSpec:
         req, start, end = s.req, s.start, s.end
         lease = req.lease
-        planned = lease.row_snapshots(start, end)
-        # A snapshot that IS the step's final state is its write slot (no extra row target),
-        # so a page-boundary decode keeps the decode program.
-        snaps = [(pos - start, slot) for pos, slot in planned
-                 if not (pos == end and slot == s.write_slot)]
+        snaps = []
+        if lease.pending_snapshots:  # most rows have none: no call
+            # A snapshot that IS the step's final state is its write slot (no extra row
+            # target), so a page-boundary decode keeps the decode program.
+            snaps = [(pos - start, slot) for pos, slot in lease.row_snapshots(start, end)
+                     if not (pos == end and slot == s.write_slot)]
         known = req.prompt_len + len(req.output_ids)
         if end <= known:
             tokens, prev = req.token_slice(start, end), -1
@@ -104,12 +105,26 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 req.lease.publish(req, final=req.lease.prefilled)
         self._to_publish.clear()
-        for req in [r for r in self.running if r.lease.prefilled]:
-            if req.num_outputs >= req.params.max_new_tokens:
+        decoding = []  # (request, its end: num_tokens)
+        for req in self.running:
+            if not req.lease.prefilled:
+                continue
+            num_outputs = len(req.output_ids) + req.num_pending  # req.num_outputs, inline
+            if num_outputs >= req.params.max_new_tokens:
                 continue  # [overlap] its last token is in flight: it finishes when read
             if req.num_pending and req.params.needs_history:
                 continue  # [overlap] penalties / grammar read its last token on the host first
-            if req.status is Status.RUNNING and self._grow_or_preempt(req, req.num_tokens):
+            if req.status is Status.RUNNING:
+                decoding.append((req, req.prompt_len + num_outputs))
+        # every decode row's pages in one allocation when nothing can be evicted or preempted
+        # (the same pages as one grow after another); otherwise one by one, preempting
+        together = self.speculative is None and len(decoding) > 1 \
+            and self.manager.grow_rows(decoding)
+        for req, end in decoding:
+            if together:
+                out[req.request_id] = self._decode_scheduled(req)
+            elif req.status is Status.RUNNING and (req.lease.grow(end)
+                                                   or self._grow_or_preempt(req, end)):
                 if req.num_pending and self.speculative:  # [overlap] its last row in flight
                     chained = self.speculative.plan_chained(req)
                     if chained is not None:
@@ -125,8 +140,10 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 budget = self._add_chunk(req, budget)
         # [overlap] a request whose last token is in flight takes no row: it does not count
-        max_running = self.cfg.scheduler.max_running_requests + sum(
-            r.num_outputs >= r.params.max_new_tokens for r in self.running)
+        max_running = self.cfg.scheduler.max_running_requests
+        for r in self.running:  # a loop, not a generator: per request of every step
+            if len(r.output_ids) + r.num_pending >= r.params.max_new_tokens:
+                max_running += 1
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
             req = self.waiting.popleft()
@@ -164,18 +181,20 @@ class Scheduler:
         the running slot again, so the newest page-aligned state survives to the finish."""
         start = req.lease.num_computed
         s = ScheduledSeq(req, start, start + 1)
-        slot = req.lease.plan_decode_snapshot(s.end)
-        if slot is not None:
-            s.write_slot = slot
+        if self.manager.boundary_snapshots:  # otherwise never one: no call per row
+            slot = req.lease.plan_decode_snapshot(s.end)
+            if slot is not None:
+                s.write_slot = slot
         return s
 
     def advance(self, seq: ScheduledSeq) -> None:
         """Record that ``seq`` ran (dispatched: later steps are ordered after it on the device);
         publish the prefill snapshots it wrote."""
-        req = seq.req
+        lease = seq.req.lease
         self.tokens_computed += seq.end - seq.start
-        if req.lease.written(seq.end, seq.write_slot, prefill_done=seq.samples):
-            self._to_publish.append(req)  # before the next admission (or at the finish)
+        # once prefilled, ``prefill_done`` is not read: a decode row skips ``samples``
+        if lease.written(seq.end, seq.write_slot, prefill_done=lease.prefilled or seq.samples):
+            self._to_publish.append(seq.req)  # before the next admission (or at the finish)
 
     def accept_verify(self, s: ScheduledSeq, tokens: np.ndarray,
                       stops: Callable[[int], bool]) -> int:

@@ -150,15 +150,19 @@ class StepLoop:
         e.stats.on_flight(t_run if not self.depth else time.perf_counter(), +1,
                           host_bound=host_bound)
         # the rows that sample, with their first logits row; before any token is pending
-        if self.spec is None:  # one logits row per row
-            rows = [(i, i) for i, s in enumerate(scheduled) if s.samples]
+        if self.spec is None:  # one logits row per row; ``s.samples``, inline (per row)
+            rows = [(i, i) for i, s in enumerate(scheduled)
+                    if s.end == s.req.prompt_len + len(s.req.output_ids) + s.req.num_pending]
         else:
             first = first_logit_row(scheduled)
             rows = [(i, first[i]) for i, s in enumerate(scheduled) if s.verifies or s.samples]
             self.spec.dispatched(scheduled)
+        advance, stats = self.scheduler.advance, self.stats
         for s in scheduled:
             if not s.verifies:  # a verify row's progress depends on its tokens
-                self._advance(s)
+                advance(s)
+                if s.end - s.start > 1 or s.start < s.req.prompt_len:
+                    stats.computed_prefill_tokens += s.end - s.start
         return InFlight(scheduled, rows, tokens, logprobs, e.runner.last_drafts)
 
     def _read(self, fl: InFlight, outs: list[RequestOutput]) -> float:
@@ -178,6 +182,8 @@ class StepLoop:
             self.spec.drafter.observe(fl.scheduled, drafts)
         now = time.perf_counter()
         e.stats.on_flight(now, -1)
+        # Python ints and floats once (the values int() / float() of each element give)
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for i, row in fl.rows:
             s = fl.scheduled[i]
             req = s.req
@@ -193,7 +199,7 @@ class StepLoop:
                 out = self._accept_verify(s, tokens[row:row + n], logprobs[row:row + n], now)
                 accepted = self.spec.last_accepted
             else:
-                out = self._append(req, int(tokens[row]), float(logprobs[row]), now)
+                out = self._append(req, token_list[row], logprob_list[row], now)
             if out is not None:
                 outs.append(out)
             elif self.depth and self.spec is not None:  # its chained row in flight
@@ -222,11 +228,6 @@ class StepLoop:
         return self.fail_step([], err, lost=True)
 
     # ---- per row -----------------------------------------------------------------------------
-    def _advance(self, s: ScheduledSeq) -> None:
-        self.scheduler.advance(s)
-        if s.end - s.start > 1 or s.start < s.req.prompt_len:
-            self.stats.computed_prefill_tokens += s.end - s.start
-
     def _accept_verify(self, s: ScheduledSeq, tokens: np.ndarray, logprobs: np.ndarray,
                        now: float) -> RequestOutput | None:
         """[speculative] Emit the verified prefix of a verify row plus the target's next token

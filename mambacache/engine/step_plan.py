@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from mambacache.engine.spec_chain import Chain
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class SeqSpec:
     """Host description of one sequence in a step (used to build a ``ForwardBatch``).
 
@@ -44,6 +44,16 @@ class SeqSpec:
     snapshots: Sequence[tuple[int, int]] = ()  # (offset in extend, dest slot)
     logits: str = "last"  # "last", "all" or "none"
     prev_index: int = -1  # [overlap] row of the previous step that samples the last token
+
+    def __init__(self, tokens: Sequence[int], prefix_len: int, page_ids: Sequence[int],
+                 read_slot: int, write_slot: int, snapshots: Sequence[tuple[int, int]] = (),
+                 logits: str = "last", prev_index: int = -1):
+        # the generated frozen __init__ sets each field through object.__setattr__ (about half
+        # a row's spec cost, built per row of every step); one dict update writes the same
+        # fields, and the instance stays frozen (assignment raises FrozenInstanceError)
+        self.__dict__.update(tokens=tokens, prefix_len=prefix_len, page_ids=page_ids,
+                             read_slot=read_slot, write_slot=write_slot, snapshots=snapshots,
+                             logits=logits, prev_index=prev_index)
 
     @property
     def end(self) -> int:

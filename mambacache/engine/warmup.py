@@ -75,7 +75,7 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
                         "max_seq_len (now %d), scheduler.max_running_requests or "
                         "scheduler.chunked_prefill_size", len(shapes), LARGE_PROGRAM_SET,
                         buckets.max_seq_len)
-    runner.buckets = buckets
+    runner.use_buckets(buckets)
     before = runner.warm_compiles.snapshot()
     t0 = time.perf_counter()
     for shape in shapes:
@@ -92,5 +92,4 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
                max_seq_len=buckets.max_seq_len)
     logging.info("warm-up: %d step programs (%d compiled) in %.1f s", len(shapes),
                  out["compiles"], out["seconds"])
-    engine.warmup_stats = out
     return out

@@ -241,7 +241,7 @@ def restore_cache(engine: Any, path: str | Path) -> None:
         ids = new_pages if f in ("k_pages", "v_pages") else new_slots
         changes[f] = tuple(_scatter(a, ids, rows[f"{f}_{i}"])
                            for i, a in enumerate(getattr(pools, f)))
-    engine.runner.pools = pools.replace(**changes)
+    engine.replace_pools(pools.replace(**changes))
 
 
 META_KEYS = ("version", "fingerprint", "layout", "tree", "pools", "row_checksums")

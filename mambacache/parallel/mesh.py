@@ -177,18 +177,20 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(one, tree, shardings)
 
 
-def shard_engine(engine: Any) -> None:
-    """Put ``engine``'s params and pools onto a ``cfg.parallel.tensor_parallel`` mesh and make its
-    runner compile the step with those shardings (``Engine.__init__`` calls this)."""
+def shard_engine(engine: Any) -> Any:
+    """Put ``engine``'s params and pools onto a ``cfg.parallel.tensor_parallel`` mesh (the
+    engine's, else a new one) and make its runner compile the step with those shardings
+    (``Engine.__init__`` calls this and keeps the mesh returned). Writes nothing of the engine's
+    or the runner's: the runner places the arrays (``ModelRunner.place``)."""
     tp = engine.cfg.parallel.tensor_parallel
     validate_tensor_parallel(engine.model_cfg, tp)
     mesh = engine.mesh if engine.mesh is not None else make_mesh(tp)
     runner = engine.runner
-    runner.params = _placed(runner.params, param_shardings(runner.params, mesh))
     pool_sh = pool_shardings(runner.pools, mesh)
-    runner.pools = _placed(runner.pools, pool_sh)
+    runner.place(_placed(runner.params, param_shardings(runner.params, mesh)),
+                 _placed(runner.pools, pool_sh))
     runner.use_shardings(mesh, pool_sh)
-    engine.mesh = mesh
+    return mesh
 
 
 def _placed(tree: Any, shardings: Any) -> Any:
