@@ -111,8 +111,8 @@ class HostPools:
         """File the pending demotions' rows under their host ids (waits for their copies)."""
         for t, rows in self._pending:
             k, v, conv, ssm = jax.device_get(rows)
-            for i, hp in enumerate(t.host_pages.tolist()):
-                self.pages[hp] = (tuple(a[i] for a in k), tuple(a[i] for a in v))
+            for i, hp in enumerate(t.host_pages.tolist()):  # copies: a view keeps the batch
+                self.pages[hp] = (tuple(a[i].copy() for a in k), tuple(a[i].copy() for a in v))
             self.slots[int(t.host_slot)] = (tuple(conv), tuple(ssm))
             if not self.row_bytes[1]:
                 self.row_bytes = [sum(a[0].nbytes for a in k + v),
