@@ -1,6 +1,8 @@
 """Tensor parallel on a CPU mesh: TP 2 and 4 give the greedy tokens of one device (logprobs within
 1e-4); Orbax params restore straight onto the mesh without a whole copy on one device.
 
+The default run checks TP 2 against one device; TP 4 (the sweep) runs with `-m slow`.
+
 XLA_FLAGS must be set before jax initialises, so the mesh checks run in a subprocess (4 host
 devices); validation runs in process.
 """
@@ -66,7 +68,7 @@ def collectives(text):
     return counts
 
 
-for tp in (1, 2, 4):
+for tp in [int(a) for a in sys.argv[1:]]:
     cfg = mc.EngineConfig().replace(**{**base, "parallel.tensor_parallel": tp})
     engine = Engine(cfg, model=(model_cfg, params))
     engine.runner._fns[False] = record_hlo(engine.runner._fns[False], tp)
@@ -92,11 +94,24 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def mesh_run():
-    return run_worker(_WORKER)
+    return run_worker(_WORKER, "1", "2")
 
 
-@pytest.mark.parametrize("tp", ["2", "4"])
-def test_tensor_parallel_matches_one_device(mesh_run, tp):
+@pytest.fixture(scope="module")
+def mesh_run_tp4():
+    return run_worker(_WORKER, "1", "4")
+
+
+def _runs(request, tp: str) -> dict:
+    return request.getfixturevalue("mesh_run_tp4" if tp == "4" else "mesh_run")
+
+
+TPS = ["2", pytest.param("4", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_tensor_parallel_matches_one_device(request, tp):
+    mesh_run = _runs(request, tp)
     ref, got = mesh_run["1"], mesh_run[tp]
     assert_matches_one_device(ref, got)
     assert got["ssm_shard"][1] == 8 // int(tp)  # value heads split over the mesh
@@ -133,13 +148,14 @@ def test_param_specs():
     assert tuple(param_spec(("layers", "0", "gdn", "A_log"), (3,), 2)) == ()  # not divisible
 
 
-@pytest.mark.parametrize("tp", ["2", "4"])
-def test_mixers_need_no_reshard(mesh_run, tp):
+@pytest.mark.parametrize("tp", TPS)
+def test_mixers_need_no_reshard(request, tp):
     """Group-major ``in_proj`` / ``conv_w`` / ``qkv_proj`` (``models/params.py``): a contiguous
     column split hands each device whole key / KV head groups, so the compiled extend step's
     mixers hold only their row-parallel all-reduce (one per layer: out_proj / o_proj). With the
     part-major layout (q | k | v | z | b | a) GSPMD put 24 collective-permutes into the TP-2
     mixers; the sampler's gathers over the vocab split are outside the layers."""
+    mesh_run = _runs(request, tp)
     counts = mesh_run[tp]["collectives"]
     print(f"TP {tp} extend step collectives (region/kind: count): {counts}")
     mixer = {k: v for k, v in counts.items() if k.startswith("mixer/")}
