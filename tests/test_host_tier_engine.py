@@ -64,6 +64,8 @@ def test_shadow_finds_a_promotion_of_the_wrong_state(monkeypatch):
         _conversations(eng, 4, 6, 30, 7, 5)
 
 
+@pytest.mark.slow  # ~3 min at load (own pool shapes: the step compiles); CI keeps the shadow
+# tests above and the runner's exact round trip below
 def test_model_multi_turn_exact_with_a_host_tier():
     """The tiny model, fp32: a device pool that holds about one conversation and a host tier:
     tokens identical to the cache off, logprobs within 1e-4; computed prefill tokens and the
