@@ -47,8 +47,15 @@ def start_worker(worker: str, *args: str, env: dict[str, str] | None = None,
 
 
 def finish_worker(proc: subprocess.Popen, label: str = "worker", timeout: float = 300) -> dict:
-    """Wait for ``proc``; its last stdout line parsed as JSON (an assertion shows stderr)."""
-    stdout, stderr = proc.communicate(timeout=timeout)
+    """Wait for ``proc``; its last stdout line parsed as JSON (an assertion shows stderr). A
+    worker still running after ``timeout`` seconds is killed (never left behind) and fails."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        raise AssertionError(f"{label} still running after {timeout} s, killed; stderr: "
+                             f"{stderr[-4000:]}") from None
     assert proc.returncode == 0, (label, stderr[-4000:])
     return json.loads(stdout.strip().splitlines()[-1])
 

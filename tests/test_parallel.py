@@ -13,7 +13,13 @@ import pytest
 
 from mambacache.parallel.mesh import param_spec, validate_tensor_parallel
 from models.presets import get_preset
-from tests.multidevice import TP_WORKLOAD, assert_matches_one_device, run_worker
+from tests.multidevice import (
+    TP_WORKLOAD,
+    assert_matches_one_device,
+    finish_worker,
+    run_worker,
+    start_worker,
+)
 
 _WORKER = """
 import json, re, sys, tempfile
@@ -166,3 +172,11 @@ def test_mixers_need_no_reshard(request, tp):
     # (with gate | up, TP 2 had 8 collective-permutes here)
     assert {k for k in counts if k.startswith("mlp/")} <= {"mlp/all-reduce"}, counts
     assert mesh_run["1"]["collectives"] == {}, mesh_run["1"]["collectives"]
+
+
+def test_worker_past_its_timeout_is_killed():
+    """A mesh worker that hangs fails its test and is not left running behind it."""
+    proc = start_worker("import time; time.sleep(60)")
+    with pytest.raises(AssertionError, match="still running after 1 s, killed"):
+        finish_worker(proc, "sleeper", timeout=1)
+    assert proc.poll() is not None
