@@ -21,6 +21,7 @@ from mambacache.engine.buckets import DETERMINISTIC_MIN_ROWS, Buckets
 from mambacache.engine.engine import Engine, load_model
 from pallas_kernels._common import l2norm
 from pallas_kernels.fixed_order import fixed_order, tree_sum
+from tests.multidevice import finish_worker, start_worker
 
 GREEDY = mc.SamplingParams(max_new_tokens=5)
 SLOW = pytest.mark.slow
@@ -56,13 +57,27 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 @pytest.mark.parametrize("preset,method", CASES)
 def test_alone_equals_batched_chunked_cached(preset, method):
+    check_alone_equals_batched(preset, **{"speculative.method": method})
+
+
+@SLOW
+def test_alone_equals_batched_at_tensor_parallel_2():
+    """Both runs at TP 2 (4 forced CPU devices, in a subprocess)."""
+    worker = ("import json\n"
+              "from tests.test_deterministic import check_alone_equals_batched\n"
+              "check_alone_equals_batched('tiny_qwen3_next', **{'parallel.tensor_parallel': 2})\n"
+              "print(json.dumps({'ok': True}))\n")
+    assert finish_worker(start_worker(worker), "tp2", timeout=1500) == {"ok": True}
+
+
+def check_alone_equals_batched(preset: str, **overrides) -> None:
+    """The issue's check for ``preset`` (``overrides`` in both runs)."""
     prompts, others = _prompts()
     alone = _engine(preset, **{"cache.enable": False, "cache.page_size": 4,
-                               "scheduler.chunked_prefill_size": 256,
-                               "speculative.method": method})
+                               "scheduler.chunked_prefill_size": 256, **overrides})
     a = [alone.generate([p], GREEDY)[0] for p in prompts]
     batched = _engine(preset, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 13,
-                                 "speculative.method": method})
+                                 **overrides})
     batched.generate([prompts[0][:34], others[0]], GREEDY)  # the shared prefix is cached
     b = batched.generate(prompts + others, GREEDY)[:len(prompts)]
     for x, y in zip(a, b, strict=True):
