@@ -38,7 +38,9 @@ def assert_matches_one_device(ref: dict, got: dict) -> None:
 def start_worker(worker: str, *args: str, env: dict[str, str] | None = None,
                  unset: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start ``python -c worker args...`` in the repo root on ``NUM_DEVICES`` CPU devices."""
-    full_env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES}",
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags += f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+    full_env = {**os.environ, "XLA_FLAGS": flags.strip(),
                 "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **(env or {})}
     for name in unset:
         full_env.pop(name, None)
