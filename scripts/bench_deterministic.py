@@ -28,28 +28,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out")
     args = p.parse_args(argv)
     from mambacache.bench.cli import load_setup
-    from mambacache.bench.runner import run_pass
+    from mambacache.bench.runner import alternating_pairs
     from mambacache.config import parse_set_args
-    from mambacache.engine.engine import Engine, load_model
+    from mambacache.engine.engine import load_model
 
     load_before = os.getloadavg()
     setup = load_setup(args.config, parse_set_args(args.sets))
     model = load_model(setup.engine)
     cfgs = {on: setup.engine.replace(**{"model.deterministic": on}) for on in (False, True)}
 
-    def one(on: bool) -> dict:
-        engine = Engine(cfgs[on], model=model)
-        source = setup.workload.source(model[0].vocab_size, setup.bench.seed)
-        stats = run_pass(engine, source, setup.bench)
-        return {k: stats.get(k) for k in KEYS}
-
-    for on in (False, True):
-        one(on)  # warm-up: compiles
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for i in range(args.pairs):
-        for on in ((False, True) if i % 2 == 0 else (True, False)):
-            runs[on].append(one(on))
-            print(f"pair {i + 1} deterministic={on}: {runs[on][-1]}", flush=True)
+    runs = alternating_pairs(cfgs, model, setup, args.pairs, KEYS, "deterministic")
     ratio = [a["output_throughput"] / b["output_throughput"]
              for a, b in zip(runs[True], runs[False], strict=True)]
     result = {"config": args.config, "sets": args.sets, "pairs": args.pairs,

@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device_threads is not None:
         set_device_threads(args.device_threads)
     from mambacache.bench.cli import load_setup
-    from mambacache.bench.runner import run_pass
+    from mambacache.bench.runner import alternating_pairs
     from mambacache.config import parse_set_args
-    from mambacache.engine.engine import Engine, load_model
+    from mambacache.engine.engine import load_model
 
     load_before = os.getloadavg()
     setup = load_setup(args.config, parse_set_args(args.sets))
@@ -50,19 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfgs = {on: setup.engine.replace(**{"cache.enable": True, "scheduler.overlap": on})
             for on in (True, False)}
 
-    def one(on: bool) -> dict:
-        engine = Engine(cfgs[on], model=model)
-        source = setup.workload.source(model[0].vocab_size, setup.bench.seed)
-        stats = run_pass(engine, source, setup.bench)
-        return {k: stats.get(k) for k in KEYS}
-
-    for on in (True, False):
-        one(on)  # warm-up: compiles
-    runs: dict[bool, list[dict]] = {True: [], False: []}
-    for i in range(args.pairs):
-        for on in ((True, False) if i % 2 == 0 else (False, True)):
-            runs[on].append(one(on))
-            print(f"pair {i + 1} overlap={on}: {runs[on][-1]}", flush=True)
+    runs = alternating_pairs(cfgs, model, setup, args.pairs, KEYS, "overlap")
     ratio = [a["output_throughput"] / b["output_throughput"]
              for a, b in zip(runs[True], runs[False], strict=True)]
     result = {"config": args.config, "pairs": args.pairs,

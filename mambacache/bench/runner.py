@@ -173,3 +173,29 @@ ENGINE_KEYS = ("hit_rate", "prompt_tokens", "cached_tokens", "computed_prefill_t
 
 def _engine_stats(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: metrics[k] for k in ENGINE_KEYS if k in metrics}
+
+
+def alternating_pairs(cfgs: dict[bool, Any], model: Any, setup: Any, pairs: int,
+                      keys: tuple[str, ...], label: str) -> dict[bool, list[dict[str, Any]]]:
+    """A / B of two engine configurations on one loaded model: one untimed pass per config
+    (compiles), then ``pairs`` timed pairs of the whole workload, who goes first alternating (in
+    ``cfgs``' order on even pairs). Returns each config's ``keys`` of ``run_pass`` per pair;
+    ``label`` names the switch in the progress lines (``pair 1 overlap=True: {...}``)."""
+    from mambacache.engine.engine import Engine
+
+    order = tuple(cfgs)
+
+    def one(on: bool) -> dict[str, Any]:
+        engine = Engine(cfgs[on], model=model)
+        source = setup.workload.source(model[0].vocab_size, setup.bench.seed)
+        stats = run_pass(engine, source, setup.bench)
+        return {k: stats.get(k) for k in keys}
+
+    for on in order:
+        one(on)  # warm-up: compiles
+    runs: dict[bool, list[dict[str, Any]]] = {on: [] for on in order}
+    for i in range(pairs):
+        for on in (order if i % 2 == 0 else order[::-1]):
+            runs[on].append(one(on))
+            print(f"pair {i + 1} {label}={on}: {runs[on][-1]}", flush=True)
+    return runs
