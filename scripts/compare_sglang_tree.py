@@ -102,34 +102,11 @@ def _sglang_tree(mods, num_kv_tokens: int, num_slots: int):
 
     mrc, bpc, CacheInitParams, TokenToKVPoolAllocator, RadixKey = mods
 
-    class CpuKVAllocator(TokenToKVPoolAllocator):
-        """Free list of KV token indices on CPU (index 0 is the padding slot, never handed out)."""
+    class FreeList:
+        """A stack of free ids (``free_list``) as SGLang's allocators answer: ``alloc`` takes the
+        top ``n`` as an int64 tensor or None when short, ``free`` pushes a tensor's ids back."""
 
-        def __init__(self, size: int):  # noqa: D107 - no kv cache object behind it
-            self.size = size
-            self.page_size = 1
-            self.device = torch.device("cpu")
-            self.free_list = list(range(size, 0, -1))
-
-        def available_size(self):
-            return len(self.free_list)
-
-        def alloc(self, need_size: int):
-            if need_size > len(self.free_list):
-                return None
-            out = self.free_list[-need_size:]
-            del self.free_list[-need_size:]
-            return torch.tensor(out, dtype=torch.int64)
-
-        def free(self, free_index):
-            self.free_list.extend(free_index.tolist())
-
-        def free_segment(self, free_index, start_pos=0):
-            self.free(free_index)
-
-    class CpuSlotAllocator:
-        def __init__(self, size: int):
-            self.free_list = list(range(size - 1, -1, -1))
+        free_list: list[int]
 
         def available_size(self):
             return len(self.free_list)
@@ -143,6 +120,22 @@ def _sglang_tree(mods, num_kv_tokens: int, num_slots: int):
 
         def free(self, idx):
             self.free_list.extend(idx.tolist())
+
+    class CpuKVAllocator(FreeList, TokenToKVPoolAllocator):
+        """Free list of KV token indices on CPU (index 0 is the padding slot, never handed out)."""
+
+        def __init__(self, size: int):  # noqa: D107 - no kv cache object behind it
+            self.size = size
+            self.page_size = 1
+            self.device = torch.device("cpu")
+            self.free_list = list(range(size, 0, -1))
+
+        def free_segment(self, free_index, start_pos=0):
+            self.free(free_index)
+
+    class CpuSlotAllocator(FreeList):
+        def __init__(self, size: int):
+            self.free_list = list(range(size - 1, -1, -1))
 
     class CpuReqToTokenPool:
         def __init__(self, slots):
