@@ -94,6 +94,18 @@ class IdAllocator:
         self._num_held += num
         return ids
 
+    def alloc_one(self) -> int | None:
+        """``alloc(1)`` as a Python int (a decode row's page at page size 1, every step): no
+        array made; None if none is free."""
+        top = self._top - 1
+        if top < 0:
+            return None
+        i = int(self._stack[top])
+        self._top = top
+        self._status_bytes[i] = HELD
+        self._num_held += 1
+        return i
+
     def free(self, ids) -> None:
         """Return ids a request holds (HELD -> FREE). ``ids``: int32 array or list of ints."""
         ids = self._transition(ids, HELD, FREE, "free")

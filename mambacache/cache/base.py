@@ -5,6 +5,7 @@ implements the allocation API on top of the subclass's eviction:
 
 * ``alloc_pages(n)`` / ``alloc_slots(n)``: ``int32[n]`` ids held by the caller, evicting as the
   policy says when the free list is short; ``None`` when even eviction cannot free enough.
+  ``alloc_page()``: one page as a Python int (a decode row's growth at page size 1).
 * ``alloc_speculative_slots(n, evict)``: up to ``n`` slots for speculative snapshots
   (``int32[k]``, ``k <= n``), from free slots and from evicting at most ``evict`` other
   speculative states (never a firm one).
@@ -124,6 +125,15 @@ class CacheBase:
     def alloc_pages(self, num: int) -> np.ndarray | None:
         """``int32[num]`` KV pages for the caller, evicting if needed; ``None`` if impossible."""
         return self._alloc(self.pages, num)
+
+    def alloc_page(self) -> int | None:
+        """``alloc_pages(1)``'s id as a Python int (the same id, the same eviction); None if
+        impossible."""
+        pages = self.pages
+        if self.budget is None and pages.num_free:
+            return pages.alloc_one()
+        ids = self._alloc(pages, 1)
+        return None if ids is None else int(ids[0])
 
     def alloc_slots(self, num: int) -> np.ndarray | None:
         """``int32[num]`` state slots for the caller, evicting if needed; ``None`` if impossible."""

@@ -26,7 +26,7 @@ from mambacache.engine.cache_manager import CacheManager
 from mambacache.engine.checks import check_engine_integrity, validate_request
 from mambacache.engine.loading import load_model, model_dtype
 from mambacache.engine.metrics import EngineMetrics
-from mambacache.engine.request import Request, RequestOutput, Status
+from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request, RequestOutput
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.speculative import num_state_slots, spec_metrics
@@ -173,10 +173,10 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req.status is Status.WAITING:
+        if req.status is WAITING:
             self.scheduler.waiting.remove(req)
-            req.status, req.finish_reason = Status.FINISHED, "abort"
-        elif req.status is Status.RUNNING:
+            req.status, req.finish_reason = FINISHED, "abort"
+        elif req.status is RUNNING:
             self.scheduler.finish(req, "abort", keep=False)
         return req.to_output()
 

@@ -200,6 +200,12 @@ class Lease:
         need = -(-end // self._mgr.page_size) - len(self.cached_page_ids) - len(self.own_page_ids)
         if need <= 0:
             return True
+        if need == 1:  # a decode row at page size 1, every step: no array
+            page = self._mgr.cache.alloc_page()
+            if page is None:
+                return False
+            self.take_page(page)
+            return True
         pages = self._mgr.cache.alloc_pages(need)
         if pages is None:
             return False
@@ -219,19 +225,35 @@ class Lease:
         without a copy of the whole list per step."""
         num_cached = len(self.cached_page_ids)
         have = num_cached + len(self.own_page_ids)
-        buf, total = self._page_buf, have + len(pages)
-        if buf is None or len(buf) < total:
-            old = buf
-            buf = np.empty(max(2 * total, 64), np.int32)
-            if old is not None:
-                buf[:have] = old[:have]
-            else:
-                buf[:num_cached] = self.cached_page_ids
-                buf[num_cached:have] = self.own_page_ids
-            self._page_buf = buf
+        total = have + len(pages)
+        buf = self._buffer(num_cached, have, total)
         buf[have:total] = pages
         self.own_page_ids = buf[num_cached:total]
         self._page_view = buf[:total]
+
+    def take_page(self, page: int) -> None:
+        """``take_pages`` of one page id (a Python int). Mutates ``own_page_ids``."""
+        num_cached = len(self.cached_page_ids)
+        have = num_cached + len(self.own_page_ids)
+        buf = self._buffer(num_cached, have, have + 1)
+        buf[have] = page
+        self.own_page_ids = buf[num_cached:have + 1]
+        self._page_view = buf[:have + 1]
+
+    def _buffer(self, num_cached: int, have: int, total: int) -> np.ndarray:
+        """The growth buffer with room for ``total`` pages, the ``have`` current ones in it."""
+        buf = self._page_buf
+        if buf is not None and len(buf) >= total:
+            return buf
+        old = buf
+        buf = np.empty(max(2 * total, 64), np.int32)
+        if old is not None:
+            buf[:have] = old[:have]
+        else:
+            buf[:num_cached] = self.cached_page_ids
+            buf[num_cached:have] = self.own_page_ids
+        self._page_buf = buf
+        return buf
 
     def room(self, start: int) -> int:
         """Tokens past ``start`` the pages already cover."""

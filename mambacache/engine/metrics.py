@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mambacache.engine.step_plan import is_decode_step
 
 
 @dataclasses.dataclass
@@ -45,12 +44,16 @@ class EngineMetrics:
         if not scheduled:  # [overlap] a call that only read the step in flight
             return
         self.num_steps += 1
+        program = True  # is_decode_step of the rows' specs, in the same loop
         for s in scheduled:  # a loop, not all(generator): per row of every step
             if s.end - s.start != 1 or s.start < s.req.prompt_len:
                 break
+            if program:
+                spec = s.spec
+                program = len(spec.tokens) == 1 and not spec.snapshots
         else:
             self.pure_decode_steps += 1
-            self.decode_program_steps += is_decode_step([s.spec for s in scheduled])
+            self.decode_program_steps += program
         c = engine.cache  # protected share of each pool (cache.stats()'s usage, without a dict)
         pages, slots = c.pages, c.slots
         tokens = (c.locked_pages() + pages.num_held) / pages.num_ids

@@ -34,7 +34,7 @@ from absl import logging
 from mambacache.config import EngineConfig
 from mambacache.engine.admission import admit
 from mambacache.engine.cache_manager import CacheManager
-from mambacache.engine.request import Request, Status
+from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request
 from mambacache.engine.speculative import SpecDecoder
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
@@ -93,16 +93,17 @@ class Scheduler:
             tokens = _PLACEHOLDER if start == known else np.append(
                 req.token_slice(start, known), np.int32(0))
             prev = req.pending_row
-        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=lease.page_ids,
-                       prev_index=prev, read_slot=lease.next_read_slot, write_slot=s.write_slot,
-                       snapshots=snaps)
+        # by position (per row of every step): tokens, prefix_len, page_ids, read_slot,
+        # write_slot, snapshots, logits, prev_index
+        return SeqSpec(tokens, start, lease.page_ids, lease.next_read_slot, s.write_slot, snaps,
+                       "last", prev)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         """Choose this step's work: decodes, running prefill chunks, then new admissions."""
         self._out = out = {}
         for req in self._to_publish:
-            if req.status is Status.RUNNING:
+            if req.status is RUNNING:
                 req.lease.publish(req, final=req.lease.prefilled)
         self._to_publish.clear()
         decoding = []  # (request, its end: num_tokens)
@@ -114,7 +115,7 @@ class Scheduler:
                 continue  # [overlap] its last token is in flight: it finishes when read
             if req.num_pending and req.params.needs_history:
                 continue  # [overlap] penalties / grammar read its last token on the host first
-            if req.status is Status.RUNNING:
+            if req.status is RUNNING:
                 decoding.append((req, req.prompt_len + num_outputs))
         # every decode row's pages in one allocation when nothing can be evicted or preempted
         # (the same pages as one grow after another); otherwise one by one, preempting
@@ -123,7 +124,7 @@ class Scheduler:
         for req, end in decoding:
             if together:
                 out[req.request_id] = self._decode_scheduled(req)
-            elif req.status is Status.RUNNING and (req.lease.grow(end)
+            elif req.status is RUNNING and (req.lease.grow(end)
                                                    or self._grow_or_preempt(req, end)):
                 if req.num_pending and self.speculative:  # [overlap] its last row in flight
                     chained = self.speculative.plan_chained(req)
@@ -137,7 +138,7 @@ class Scheduler:
         for req in [r for r in self.running if not r.lease.prefilled]:
             if budget <= 0:
                 break
-            if req.status is Status.RUNNING:
+            if req.status is RUNNING:
                 budget = self._add_chunk(req, budget)
         # [overlap] a request whose last token is in flight takes no row: it does not count
         max_running = self.cfg.scheduler.max_running_requests
@@ -157,7 +158,7 @@ class Scheduler:
             if verdict == "full":
                 self.waiting.appendleft(req)
                 break
-            req.status = Status.RUNNING
+            req.status = RUNNING
             self.running.append(req)
             budget = self._add_chunk(req, budget)
         self.waiting.extendleft(reversed(deferred))
@@ -207,7 +208,7 @@ class Scheduler:
     # ---- request ends ----------------------------------------------------------------------
     def release(self, req: Request, *, keep: bool) -> None:
         """Give back all ``req`` holds. ``keep``: insert its computed tokens and states first."""
-        if req.status is not Status.RUNNING:
+        if req.status is not RUNNING:
             return
         self._out.pop(req.request_id, None)
         if self.speculative is not None:  # the lane goes; a scratch end state is copied
@@ -220,7 +221,7 @@ class Scheduler:
         logging.vlog(1, "preempt request %d at %d/%d tokens", req.request_id, req.num_computed,
                      req.num_tokens)
         self.release(req, keep=True)
-        req.status = Status.WAITING
+        req.status = WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -228,10 +229,10 @@ class Scheduler:
     def finish(self, req: Request, reason: str, *, keep: bool = True) -> None:
         """Insert what ``req`` computed (unless ``keep`` is False) and release it. [overlap] A
         request preempted while its token was in flight may finish waiting, when it is read."""
-        if req.status is Status.WAITING:
+        if req.status is WAITING:
             self.waiting.remove(req)
         self.release(req, keep=keep)
-        req.status = Status.FINISHED
+        req.status = FINISHED
         req.finish_reason = reason
         self.num_finished += 1
 
@@ -240,11 +241,11 @@ class Scheduler:
         token in flight) leave the queues as failed, their leases forgotten; the cache starts
         empty and the speculative lanes are free."""
         for req in victims:
-            queue = self.running if req.status is Status.RUNNING else self.waiting
+            queue = self.running if req.status is RUNNING else self.waiting
             queue.remove(req)
             req.lease.abandon()
             self.num_finished += 1
-            req.status, req.finish_reason = Status.FINISHED, "error"
+            req.status, req.finish_reason = FINISHED, "error"
         self._to_publish.clear()
         self.manager.reset()
         if self.speculative is not None:

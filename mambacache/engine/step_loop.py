@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 from absl import logging
 
-from mambacache.engine.request import Request, RequestOutput, Status
+from mambacache.engine.request import FINISHED, RUNNING, Request, RequestOutput
 from mambacache.engine.step_plan import ScheduledSeq, first_logit_row
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class StepLoop:
             if launched is not None and self.in_flight is launched:
                 for i, row in launched.rows:
                     req = launched.scheduled[i].req
-                    if req.status is Status.RUNNING:
+                    if req.status is RUNNING:
                         req.mark_pending(row)
             if self.in_flight is not None and not e.has_unfinished():
                 self._drop()  # only dropped rows are left in flight
@@ -150,14 +150,20 @@ class StepLoop:
         e.stats.on_flight(t_run if not self.depth else time.perf_counter(), +1,
                           host_bound=host_bound)
         # the rows that sample, with their first logits row; before any token is pending
-        if self.spec is None:  # one logits row per row; ``s.samples``, inline (per row)
-            rows = [(i, i) for i, s in enumerate(scheduled)
-                    if s.end == s.req.prompt_len + len(s.req.output_ids) + s.req.num_pending]
-        else:
-            first = first_logit_row(scheduled)
-            rows = [(i, first[i]) for i, s in enumerate(scheduled) if s.verifies or s.samples]
-            self.spec.dispatched(scheduled)
         advance, stats = self.scheduler.advance, self.stats
+        if self.spec is None:  # one logits row per row, no verify row: one loop (per row)
+            rows = []
+            for i, s in enumerate(scheduled):
+                req, start, end = s.req, s.start, s.end
+                if end == req.prompt_len + len(req.output_ids) + req.num_pending:  # s.samples
+                    rows.append((i, i))
+                advance(s)  # pends no token: the samples test of later rows is unchanged
+                if end - start > 1 or start < req.prompt_len:
+                    stats.computed_prefill_tokens += end - start
+            return InFlight(scheduled, rows, tokens, logprobs, e.runner.last_drafts)
+        first = first_logit_row(scheduled)
+        rows = [(i, first[i]) for i, s in enumerate(scheduled) if s.verifies or s.samples]
+        self.spec.dispatched(scheduled)
         for s in scheduled:
             if not s.verifies:  # a verify row's progress depends on its tokens
                 advance(s)
@@ -187,11 +193,11 @@ class StepLoop:
         for i, row in fl.rows:
             s = fl.scheduled[i]
             req = s.req
-            if req.status is Status.FINISHED:
+            if req.status is FINISHED:
                 continue  # finished (stop, abort, error) while this row ran: its token is dropped
             if self.depth:
                 e.scheduler.token_read(req)
-            if s.verifies and req.status is not Status.RUNNING:
+            if s.verifies and req.status is not RUNNING:
                 continue  # [overlap] preempted with its verify in flight: recomputed later
             accepted = 0
             if s.verifies:
@@ -210,7 +216,7 @@ class StepLoop:
     def _drop(self) -> None:
         """Read the step in flight when no row of it has a reader left (the engine goes idle)."""
         fl, self.in_flight = self.in_flight, None
-        if any(fl.scheduled[i].req.status is not Status.FINISHED for i, _ in fl.rows):
+        if any(fl.scheduled[i].req.status is not FINISHED for i, _ in fl.rows):
             raise AssertionError("a step in flight samples for an unfinished request")
         try:
             np.asarray(fl.tokens)

@@ -49,11 +49,13 @@ class SeqSpec:
                  read_slot: int, write_slot: int, snapshots: Sequence[tuple[int, int]] = (),
                  logits: str = "last", prev_index: int = -1):
         # the generated frozen __init__ sets each field through object.__setattr__ (about half
-        # a row's spec cost, built per row of every step); one dict update writes the same
-        # fields, and the instance stays frozen (assignment raises FrozenInstanceError)
-        self.__dict__.update(tokens=tokens, prefix_len=prefix_len, page_ids=page_ids,
-                             read_slot=read_slot, write_slot=write_slot, snapshots=snapshots,
-                             logits=logits, prev_index=prev_index)
+        # a row's spec cost, built per row of every step); item writes into the instance dict
+        # set the same fields (no keyword dict built), and the instance stays frozen
+        # (assignment raises FrozenInstanceError). Hot callers pass the fields by position.
+        d = self.__dict__
+        d["tokens"], d["prefix_len"], d["page_ids"] = tokens, prefix_len, page_ids
+        d["read_slot"], d["write_slot"], d["snapshots"] = read_slot, write_slot, snapshots
+        d["logits"], d["prev_index"] = logits, prev_index
 
     @property
     def end(self) -> int:
