@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 
-
 @dataclasses.dataclass
 class EngineMetrics:
     prompt_tokens: int = 0

@@ -102,21 +102,29 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         """Choose this step's work: decodes, running prefill chunks, then new admissions."""
         self._out = out = {}
-        for req in self._to_publish:
-            if req.status is RUNNING:
-                req.lease.publish(req, final=req.lease.prefilled)
-        self._to_publish.clear()
+        if self._to_publish:
+            for req in self._to_publish:
+                if req.status is RUNNING:
+                    req.lease.publish(req, final=req.lease.prefilled)
+            self._to_publish.clear()
+        # one pass over the running requests (per request of every step): the decode rows,
+        # the prefills, and those whose last token is in flight ([overlap]: they take no row
+        # and do not count against max_running_requests)
         decoding = []  # (request, its end: num_tokens)
+        prefilling, num_done = [], 0
         for req in self.running:
-            if not req.lease.prefilled:
-                continue
             num_outputs = len(req.output_ids) + req.num_pending  # req.num_outputs, inline
             if num_outputs >= req.params.max_new_tokens:
-                continue  # [overlap] its last token is in flight: it finishes when read
-            if req.num_pending and req.params.needs_history:
+                num_done += 1  # [overlap] its last token is in flight: it finishes when read
+                if not req.lease.prefilled:
+                    prefilling.append(req)
+            elif not req.lease.prefilled:
+                prefilling.append(req)
+            elif req.num_pending and req.params.needs_history:
                 continue  # [overlap] penalties / grammar read its last token on the host first
-            if req.status is RUNNING:
+            elif req.status is RUNNING:
                 decoding.append((req, req.prompt_len + num_outputs))
+        preemptions = self.num_preemptions
         # every decode row's pages in one allocation when nothing can be evicted or preempted
         # (the same pages as one grow after another); otherwise one by one, preempting
         together = self.speculative is None and len(decoding) > 1 \
@@ -125,7 +133,7 @@ class Scheduler:
             if together:
                 out[req.request_id] = self._decode_scheduled(req)
             elif req.status is RUNNING and (req.lease.grow(end)
-                                                   or self._grow_or_preempt(req, end)):
+                                            or self._grow_or_preempt(req, end)):
                 if req.num_pending and self.speculative:  # [overlap] its last row in flight
                     chained = self.speculative.plan_chained(req)
                     if chained is not None:
@@ -135,16 +143,17 @@ class Scheduler:
                           and self.speculative.plan(req))
                 out[req.request_id] = verify or self._decode_scheduled(req)
         budget = self.cfg.scheduler.chunked_prefill_size
-        for req in [r for r in self.running if not r.lease.prefilled]:
+        for req in prefilling:  # a preempted one is WAITING now
             if budget <= 0:
                 break
             if req.status is RUNNING:
                 budget = self._add_chunk(req, budget)
-        # [overlap] a request whose last token is in flight takes no row: it does not count
-        max_running = self.cfg.scheduler.max_running_requests
-        for r in self.running:  # a loop, not a generator: per request of every step
-            if len(r.output_ids) + r.num_pending >= r.params.max_new_tokens:
-                max_running += 1
+        if self.num_preemptions != preemptions:  # the running list changed: count again
+            num_done = 0
+            for r in self.running:
+                if len(r.output_ids) + r.num_pending >= r.params.max_new_tokens:
+                    num_done += 1
+        max_running = self.cfg.scheduler.max_running_requests + num_done
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
             req = self.waiting.popleft()
@@ -162,9 +171,12 @@ class Scheduler:
             self.running.append(req)
             budget = self._add_chunk(req, budget)
         self.waiting.extendleft(reversed(deferred))
+        spec = self._spec
         for s in out.values():
             s.write_slot = s.write_slot or s.req.lease.running_slot
-            s.spec = self.speculative.verify_spec(s) if s.verifies else self._spec(s)
+            # no verify row without speculative decoding: ``verifies`` not asked (per row)
+            s.spec = self.speculative.verify_spec(s) if self.speculative is not None \
+                and s.verifies else spec(s)
         return list(out.values())
 
     def _add_chunk(self, req: Request, budget: int) -> int:

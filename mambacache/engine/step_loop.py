@@ -190,6 +190,9 @@ class StepLoop:
         e.stats.on_flight(now, -1)
         # Python ints and floats once (the values int() / float() of each element give)
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        if self.spec is None:  # no verify row: one token per row (per row of every step)
+            self._read_tokens(fl, token_list, logprob_list, now, outs)
+            return now - t_wait
         for i, row in fl.rows:
             s = fl.scheduled[i]
             req = s.req
@@ -212,6 +215,22 @@ class StepLoop:
                 self.spec.resolve(req, accepted, int(tokens[row + accepted]),
                                   drafts[i] if drafts is not None else None)
         return now - t_wait
+
+    def _read_tokens(self, fl: InFlight, token_list: list[int], logprob_list: list[float],
+                     now: float, outs: list[RequestOutput]) -> None:
+        """``_read``'s row loop without speculative decoding: each sampling row appends its one
+        token (a request finished while its row ran drops it)."""
+        scheduled, append = fl.scheduled, self._append
+        token_read = self.scheduler.token_read if self.depth else None
+        for i, row in fl.rows:
+            req = scheduled[i].req
+            if req.status is FINISHED:
+                continue  # finished (stop, abort, error) while this row ran: its token is dropped
+            if token_read is not None:
+                token_read(req)
+            out = append(req, token_list[row], logprob_list[row], now)
+            if out is not None:
+                outs.append(out)
 
     def _drop(self) -> None:
         """Read the step in flight when no row of it has a reader left (the engine goes idle)."""

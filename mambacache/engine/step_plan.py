@@ -75,7 +75,7 @@ class SeqSpec:
         return np.asarray(self.page_ids[first:last], np.int64)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # built and read per row of every step
 class ScheduledSeq:
     """One request's part of a step: tokens ``[start, end)`` of ``req.token_ids``.
 
