@@ -137,3 +137,18 @@ def test_release_trusted_and_alloc_agree_on_both_paths(n):
     assert sorted(again.tolist()) == sorted(ids.tolist())
     assert (a.status_of(again) == HELD).all()
     a.check()
+
+
+def test_alloc_one_is_alloc_of_one():
+    """``alloc_one`` (a decode row's page at page size 1) hands out the id ``alloc(1)`` would,
+    HELD and counted, and None once the pool is empty."""
+    a, b = IdAllocator(3), IdAllocator(3)
+    b.free(b.alloc(2)[::-1])  # a free stack out of id order: the top is what counts
+    a.free(a.alloc(2)[::-1])
+    for _ in range(3):
+        one, arr = a.alloc_one(), b.alloc(1)
+        assert type(one) is int and one == int(arr[0])
+        assert a.status_of(np.asarray([one]))[0] == HELD
+        assert (a.num_free, a.num_held) == (b.num_free, b.num_held)
+    assert a.alloc_one() is None and b.alloc(1) is None
+    a.check()
