@@ -39,10 +39,13 @@ def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
     lose = bool(rng.random() < 0.3)
     fail_rng = np.random.default_rng(int(rng.integers(1 << 30)))
     read_rate = fail_rate / 4 if overlap else 0.0  # the synchronous loop never fails a read
-    tier = {}
-    if host_tier:  # a host tier of 1 to 200 pages of KV (states the size of 4 tokens' KV)
+    tier, latency = {}, None
+    if host_tier:  # a host tier of 1 to 200 pages of KV (states the size of 4 tokens' KV);
+        # its loads land 0 to 3 steps after they are issued
         tier = {"cache.host_memory_bytes": int(rng.integers(1, 200)) * page + 4,
                 "cache.state_bytes": 4, "cache.kv_bytes_per_token": 1}
+        lat_rng = np.random.default_rng(int(rng.integers(1 << 30)))
+        latency = lambda slot: int(lat_rng.integers(0, 4))  # noqa: E731
     if byte_budget:  # KV and states share bytes (a state = 4 tokens' KV) under the id caps,
         # room for the biggest request and a few slots; admission held back at a random share
         tier = {"cache.memory_bytes": -(-biggest // page) * page + 4 * int(rng.integers(3, 12))
@@ -52,7 +55,8 @@ def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
     return shadow_engine(
         runner_kwargs={"fail_step": lambda step: bool(fail_rng.random() < fail_rate),
                        "lose_pools_on_failure": lose,
-                       "fail_read": lambda step: bool(fail_rng.random() < read_rate)},
+                       "fail_read": lambda step: bool(fail_rng.random() < read_rate),
+                       "load_latency": latency},
         **{"scheduler.overlap": overlap}, **tier,
         **{"cache.page_size": page, "cache.num_kv_tokens": kv,
            "cache.num_mamba_slots": int(rng.integers(1, 18)),
@@ -75,6 +79,8 @@ def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True,
     """One random scenario to completion; returns the number of steps. Raises on any bug."""
     rng = np.random.default_rng(seed)
     reqs = _workload(rng)
+    if host_tier:  # twice as many: turns of earlier requests come back from the host
+        reqs += _workload(rng)
     eng = _engine(rng, reqs, fail_rate, overlap, host_tier, byte_budget)
     if byte_budget:  # count the admissions the running share held back
         LAST["held_back"], holds_back = 0, eng.manager.holds_back
@@ -87,12 +93,22 @@ def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True,
     todo = list(reqs)
     ids: dict[int, tuple[list[int], mc.SamplingParams]] = {}
     outs = []
+    LAST.update(load_steps=0, load_aborts=0)
     for steps in range(1, MAX_STEPS + 1):
         while todo and rng.random() < 0.5:
             prompt, n, key = todo.pop(0)
+            if host_tier and ids and rng.random() < 0.5:  # the next turn of an earlier one
+                prev, p = ids[int(rng.choice(list(ids)))]
+                turn = prev + eng.runner.expected_output(prev, p.max_new_tokens) + \
+                    rng.integers(1, 1000, int(rng.integers(1, 6))).tolist()
+                if len(turn) + n <= eng.manager.kv_capacity_tokens:
+                    prompt, key = turn, None
             params = _params(eng, rng, prompt, n)
             ids[eng.add_request(prompt, params, extra_key=key)] = (prompt, params)
-        if ids and rng.random() < 0.03:
+        loads = eng.manager.loads_in_flight()  # [host tier] promotions not landed yet
+        LAST["load_steps"] += loads > 0
+        if ids and rng.random() < (0.03 if not loads else 0.2):
+            LAST["load_aborts"] += loads > 0
             out = eng.abort(int(rng.choice(list(ids))))
             if out is not None:
                 outs.append(out)
@@ -130,13 +146,19 @@ def test_fuzz_engine(block, overlap):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_fuzz_host_tier(overlap):
-    """Demotions, promotions, aborts and failing steps with a host tier (the oracle checks every
-    copy between the tiers; integrity after every step, no leak when idle)."""
-    transfers = 0
+    """Demotions, promotions (loads landing 0-3 steps late), aborts (more often while a load is
+    in flight) and failing steps with a host tier: the oracle checks every copy between the
+    tiers and every read (no step reads a load before it lands); integrity after every step, no
+    leak when idle."""
+    transfers = load_steps = load_aborts = 0
     for seed in range(200, 224):
         run_fuzz(seed, overlap=overlap, host_tier=True)
         transfers += LAST["transfers"]
+        load_steps += LAST["load_steps"]
+        load_aborts += LAST["load_aborts"]
     assert transfers > 20  # the tier really moved states both ways
+    # loads were in flight across steps, and requests were aborted with loads in flight
+    assert load_steps > 10 and load_aborts > 2, (load_steps, load_aborts)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

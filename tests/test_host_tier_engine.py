@@ -128,14 +128,110 @@ def test_warm_transfer_programs_then_no_compile():
                     strict=True):
         np.testing.assert_array_equal(a[1:], b[1:])  # only the dump page / zero slot touched
     counter, host = CompileCounter(), HostPools()
+    host.max_batch_pages = 32
     tokens = np.arange(40, dtype=np.int32)
-    with counter.track():
-        pools = host.transfer(pools, Transfer(True, np.arange(1, 21, dtype=np.int32),
-                                              np.arange(5, 25, dtype=np.int32), 3, 1, tokens))
-        pools = host.transfer(pools, Transfer(False, np.arange(21, 41, dtype=np.int32),
-                                              np.arange(5, 25, dtype=np.int32), 2, 1, tokens))
+    with counter.track():  # two demotions, gathered by one program when the pools are written
+        host.transfer(pools, Transfer(True, np.arange(1, 21, dtype=np.int32),
+                                      np.arange(5, 25, dtype=np.int32), 3, 1, tokens))
+        host.transfer(pools, Transfer(True, np.arange(31, 36, dtype=np.int32),
+                                      np.arange(30, 35, dtype=np.int32), 1, 2, tokens[:10]))
+        host.flush(pools)
+        assert host.gathers == 1 and not host.slots  # copying: nothing waited for it
+        # a promotion of host rows still copying lands them first, then starts its load
+        host.transfer(pools, Transfer(False, np.arange(21, 41, dtype=np.int32),
+                                      np.arange(5, 25, dtype=np.int32), 2, 1, tokens))
+        assert set(host.slots) == {1, 2}
+        while not host.load_ready(2):
+            time.sleep(0.001)
+        pools = host.finish_load(pools, 2)
     assert counter.compiles == 0
     got = jax.device_get(pools)
     np.testing.assert_array_equal(got.k_pages[0][21:41], before.k_pages[0][1:21])
     np.testing.assert_array_equal(got.ssm[0][2], before.ssm[0][3])
-    assert got.ssm[0].dtype == np.float32
+    np.testing.assert_array_equal(host.pages[32][1][0], before.v_pages[0][33])
+    assert got.ssm[0].dtype == np.float32 and host.slots[2][1][0].dtype == np.float32
+
+
+@pytest.mark.parametrize("platform,kinds,want", [
+    ("cpu", ["device", "pinned_host", "unpinned_host"], None),  # CPU: numpy rows
+    ("gpu", ["device", "pinned_host", "unpinned_host"], "pinned_host"),
+    ("tpu", ["device", "pinned_host"], "pinned_host"),
+    ("gpu", ["device"], None),  # no pinned host memory offered: numpy rows
+])
+def test_host_memory_kind_follows_the_device(platform, kinds, want):
+    from types import SimpleNamespace
+
+    from mambacache.engine.host_pools import host_memory_kind
+
+    dev = SimpleNamespace(platform=platform, addressable_memories=lambda: [
+        SimpleNamespace(kind=k) for k in kinds])
+    assert host_memory_kind(dev) == want
+    import jax
+
+    assert host_memory_kind(jax.devices()[0]) is None  # this CPU backend
+
+
+def _host_only_turn(eng, rng, convs: int = 6, first: int = 30):
+    """Chats run until one's next turn starts with a prefix the host holds and the device does
+    not; returns that turn's prompt."""
+    tier = eng.cache.host_tier
+    prompts = [rng.integers(1, 1000, first).tolist() for _ in range(convs)]
+    for _ in range(4):
+        got = eng.generate(prompts, greedy(5))
+        prompts = [p + o.output_token_ids for p, o in zip(prompts, got, strict=True)]
+        for p in prompts:
+            if tier.residency(p[:-1]) == "host":
+                return p + rng.integers(1, 1000, 7).tolist()
+        prompts = [p + rng.integers(1, 1000, 7).tolist() for p in prompts]
+    raise AssertionError("no prefix was demoted")
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_load_in_flight_does_not_stop_other_requests(abort):
+    """A promotion's load lands 3 steps after it is issued: its request waits (its lease held,
+    nothing computed) while another request keeps stepping; no step reads the state before it
+    lands (the oracle and ``check_step``, every step). Aborting it with the load in flight
+    releases everything: idle, nothing is locked, held or in flight."""
+    eng = shadow_engine(runner_kwargs={"load_latency": lambda slot: 3},
+                        **SHADOW_TIER, **{"cache.host_memory_bytes": 100_000})
+    rng = np.random.default_rng(5)
+    turn = _host_only_turn(eng, rng)
+    other = eng.add_request(rng.integers(1, 1000, 12).tolist(), greedy(20))
+    eng.step()  # the other request starts
+    rid = eng.add_request(turn, greedy(4))
+    eng.step()  # admission promotes: the load is issued
+    req = eng.requests[rid]
+    assert eng.manager.loads_in_flight() == 1 and req.lease.held
+    before = eng.requests[other].num_computed
+    eng.step()
+    assert req.lease.num_computed == req.cached_tokens > 0  # waits for its load
+    assert eng.requests[other].num_computed > before  # the other one stepped
+    if abort:
+        eng.abort(rid)
+        assert eng.manager.loads_in_flight() == 1  # the other request still runs
+        eng.abort(other)  # idle now: the load is finished, its node unlocked
+        assert eng.manager.loads_in_flight() == 0
+    else:
+        for _ in range(8):
+            eng.step()
+        assert len(req.output_ids) == 4  # it ran once its load landed
+        while eng.has_unfinished():
+            eng.step()
+    eng.check_integrity()
+    assert not eng.has_unfinished() and eng.cache.locked_slots() == 0
+    m = eng.metrics()
+    assert m["host_hit_tokens"] > 0 and m["load_wait_steps"] >= 1
+
+
+def test_integrity_check_covers_the_host_tree():
+    """The engine's integrity check audits the host tree's copies too (the shadow runner's
+    ``check_host_tree``): a host state that no longer holds its node's prefix is found."""
+    eng = shadow_engine(**SHADOW_TIER, **{"cache.host_memory_bytes": 100_000})
+    _conversations(eng, 2, 6, 30, 7, 5)
+    eng.check_integrity()
+    host = eng.cache.host_tier.host
+    slot = next(n.slot for n in host.lru_state)
+    length, key = eng.runner.host_slot[slot]
+    eng.runner.host_slot[slot] = (length, key + 1)
+    with pytest.raises(DataflowError, match="host slot"):
+        eng.check_integrity()

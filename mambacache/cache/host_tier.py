@@ -20,6 +20,9 @@ copies nothing). ``residency(tokens)`` answers for one prefix; ``check`` audits 
   KV it shares, the host copy is scattered into them, and the prefix is inserted into the device
   tree (a firm state); the device match then finds it. The host node stays locked while the
   device allocates (its evictions demote into the host, never over the pages being read).
+  With ``async_loads`` (a runner whose loads land later) the device node stays locked by the
+  tier and listed in ``loading`` (device slot -> node, issue order) until ``landed``: no step
+  reads it before (``CacheManager.land_loads`` and the scheduler see to that).
 * Every copy is a ``Transfer`` handed to ``on_transfer`` (the engine's runner gathers or
   scatters the pool rows; the shadow runner moves the prefixes it tracks) at the moment the ids
   are chosen, before the ids can be reused: copies are issued in the order the ids change hands.
@@ -71,11 +74,17 @@ class HostTier:
         self.host = MambaRadixCache(budget.num_pages, budget.num_slots, device.page_size,
                                     eviction, speculative_states=False, budget=budget)
         self.on_transfer: Callable[[Transfer], None] | None = None
+        # loads in flight (``async_loads``: the runner lands promotions later): device slot ->
+        # the device node it fills, locked by the tier until ``landed``; issue order
+        self.async_loads = False
+        self.loading: dict[int, Node] = {}
         # host seconds spent issuing copies (a promotion waits for pending demotions to land)
         self.load_wait_s = 0.0
         self.counters = {"host_hit_tokens": 0, "tokens_promoted": 0, "bytes_demoted": 0,
                          "bytes_promoted": 0, "demotions": 0, "promotions": 0,
-                         "demotions_skipped": 0, "promotions_skipped": 0}
+                         "demotions_skipped": 0, "promotions_skipped": 0,
+                         # a request left out of a step because its load had not landed
+                         "load_wait_steps": 0}
         device.evict_hook = self.demote
         device.host_tier = self
 
@@ -154,6 +163,10 @@ class HostTier:
                                  int(m.read_slot), tokens[:host_len]))
             self.device.insert(tokens[:host_len], np.concatenate([device_shared, new]),
                                {host_len: int(slot[0])}, extra_key=extra_key)
+            if self.async_loads:  # its rows arrive later: nothing may evict or reuse them
+                node = self.device.locate(tokens[:host_len], extra_key)[2]
+                self.device.lock(node)
+                self.loading[int(slot[0])] = node
         finally:
             self.host.unlock(m.node)
         gained = host_len - on_device
@@ -162,6 +175,11 @@ class HostTier:
         self.counters["bytes_promoted"] += len(new) * self.budget.page_bytes + \
             self.budget.slot_bytes
         return gained
+
+    def landed(self, device_slot: int) -> None:
+        """The load into ``device_slot`` is in the pools (its scatter dispatched): its node
+        becomes an ordinary device node (unlocked)."""
+        self.device.unlock(self.loading.pop(int(device_slot)))
 
     def _issue(self, transfer: Transfer) -> None:
         if self.on_transfer is not None:
@@ -208,6 +226,13 @@ class HostTier:
                 f"held and {self.host.locked_slots()} states locked between calls")
         if self.device.evict_hook != self.demote:
             raise AssertionError("host tier: the device tree's evict_hook is not this tier's")
+        if self.host.budget is self.device.budget or self.host.budget is not self.budget:
+            raise AssertionError("host tier: the host tree must draw on its own byte budget")
+        for slot, node in self.loading.items():
+            if not node.alive or node.slot != slot or node.mamba_lock_ref <= 0 or \
+                    self.device.slots.status_of(np.asarray([slot]))[0] != TREE:
+                raise AssertionError(f"host tier: the load into device slot {slot} fills "
+                                     f"{node!r}, which is not a locked tree node of that slot")
 
 
 def attach_host_tier(device: Any, host_memory_bytes: int, page_bytes: int = 0,

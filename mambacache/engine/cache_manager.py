@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,10 +35,14 @@ from mambacache.engine.step_plan import ScheduledSeq
 class CacheManager:
     """The cache, its layout and the leases' factory (module docstring)."""
 
-    def __init__(self, cfg: CacheConfig, transfer: Callable[..., None] | None = None):
+    def __init__(self, cfg: CacheConfig, transfer: Callable[..., None] | None = None,
+                 loads: Any = None):
         self._cfg = cfg
-        # [host tier] the runner's copy between the tiers: ``transfer(t: Transfer, in_use=)``
+        # [host tier] the runner's copy between the tiers: ``transfer(t: Transfer, in_use=)``;
+        # ``loads``: the runner's ``load_ready(slot)`` / ``finish_load(slot)`` (promotions land
+        # later), or None (a promotion is complete once issued)
         self._transfer = transfer
+        self._loads = loads
         self.cache: CacheBase = self._make_cache()  # speculative states too
         self.page_size = cfg.page_size
         # tokens the whole KV pool holds (one request can never use more)
@@ -52,8 +57,8 @@ class CacheManager:
         return Lease(self)
 
     def reset(self) -> None:
-        """The pools are gone (a failed step consumed them): the cache starts empty. Leases of
-        the failed requests must be ``abandon``-ed by the caller."""
+        """The pools are gone (a failed step consumed them): the cache starts empty (loads in
+        flight with it). Leases of the failed requests must be ``abandon``-ed by the caller."""
         self.cache = self._make_cache()
 
     def _make_cache(self) -> CacheBase:
@@ -61,6 +66,7 @@ class CacheManager:
         tier = cache.host_tier
         if tier is not None and self._transfer is not None:
             tier.on_transfer = functools.partial(self._transfer, in_use=tier.in_use)
+            tier.async_loads = self._loads is not None
         return cache
 
     def promote(self, tokens: np.ndarray, extra_key: str | None) -> int:
@@ -69,6 +75,38 @@ class CacheManager:
         that reads it); returns the tokens gained (0 without a tier or without room)."""
         tier = self.cache.host_tier
         return tier.promote(tokens, extra_key) if tier is not None else 0
+
+    def load_in_flight(self, slot: int | None) -> bool:
+        """[host tier] Whether state ``slot`` waits for a promotion's load (no step may read it
+        until ``land_loads`` finished it)."""
+        tier = self.cache.host_tier
+        return tier is not None and slot in tier.loading
+
+    def loads_in_flight(self) -> int:
+        tier = self.cache.host_tier
+        return len(tier.loading) if tier is not None else 0
+
+    def land_loads(self, upto: int | None = None, *, ready_only: bool = False) -> bool:
+        """[host tier] Finish loads in the order they were issued (a later load may extend an
+        earlier one's pages): all of them, or those up to the one into slot ``upto``, stopping
+        (``ready_only``) at the first whose copy has not landed. Finishing dispatches its
+        scatter and unlocks its node; the host never waits. True when every load asked for
+        is finished."""
+        tier = self.cache.host_tier
+        if tier is None:
+            return True
+        for slot in list(tier.loading):
+            if ready_only and not self._loads.load_ready(slot):
+                return False
+            self._loads.finish_load(slot)
+            tier.landed(slot)
+            if slot == upto:
+                break
+        return True
+
+    def count_load_wait(self) -> None:
+        """[host tier] A request sat out a step because its load had not landed."""
+        self.cache.host_tier.counters["load_wait_steps"] += 1
 
     def count_host_hit(self, tokens: int) -> None:
         """[host tier] An admitted request matched ``tokens`` that ``promote`` brought back."""
@@ -163,6 +201,11 @@ class CacheManager:
     def check_step(self, scheduled: Sequence[ScheduledSeq]) -> None:
         """Raise if a scheduled step breaks a step invariant (``step_checks.check_step``)."""
         check_step(self.cache, scheduled, self.page_size)
+        if self.loads_in_flight():  # [host tier] a state still loading is read by no row
+            for s in scheduled:
+                if self.load_in_flight(s.spec.read_slot):
+                    raise AssertionError(f"request {s.req.request_id} reads state slot "
+                                         f"{s.spec.read_slot} before its load has landed")
 
     def check(self, running: Iterable[Request], waiting: Iterable[Request]) -> None:
         """Raise ``AssertionError`` unless the cache is intact and the allocators' held ids are
@@ -170,7 +213,9 @@ class CacheManager:
         self.cache.check_integrity()
         held_slots: list[int] = []
         held_pages: list[int] = []
+        busy = False
         for req in running:
+            busy = True
             lease = req.lease
             if req.status is not Status.RUNNING or not lease.held:
                 raise AssertionError(f"request {req.request_id} in the running list is "
@@ -182,6 +227,7 @@ class CacheManager:
                 raise AssertionError(f"request {req.request_id}: {len(lease.page_ids)} pages "
                                      f"cannot hold {lease.num_computed} computed tokens")
         for req in waiting:
+            busy = True
             if req.status is not Status.WAITING or req.lease.held or len(req.lease.own_page_ids):
                 raise AssertionError(f"waiting request {req.request_id} holds resources")
         cache = self.cache
@@ -196,6 +242,11 @@ class CacheManager:
                 missing = np.setdiff1d(mine, listed).tolist()
                 raise AssertionError(f"{name}s held per allocator but by no request: {leaked}; "
                                      f"held by requests but not per allocator: {missing}")
+
+        loads = self.loads_in_flight()
+        if not busy and (loads or self.cache.locked_slots() or self.cache.locked_pages()):
+            raise AssertionError(f"idle: {loads} loads in flight, {self.cache.locked_slots()} "
+                                 f"states and {self.cache.locked_pages()} pages locked")
 
     def describe(self) -> str:
         """The pools' occupancy, for the no-progress error."""

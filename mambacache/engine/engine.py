@@ -71,7 +71,9 @@ class Engine:
             state, kv = model_byte_sizes(cfg, self.model_cfg)
             self.cfg = cfg = cfg.replace(**{"cache.state_bytes": state,
                                             "cache.kv_bytes_per_token": kv})
-        self.manager = CacheManager(cfg.cache, transfer=getattr(self.runner, "transfer", None))
+        self.manager = CacheManager(cfg.cache, transfer=getattr(self.runner, "transfer", None),
+                                    loads=self.runner if hasattr(self.runner, "finish_load")
+                                    else None)
         self.scheduler = Scheduler(cfg, self.manager)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -178,6 +180,8 @@ class Engine:
             req.status, req.finish_reason = FINISHED, "abort"
         elif req.status is RUNNING:
             self.scheduler.finish(req, "abort", keep=False)
+        if not self.has_unfinished():  # [host tier] idle: no load left in flight
+            self.manager.land_loads()
         return req.to_output()
 
     def has_unfinished(self) -> bool:

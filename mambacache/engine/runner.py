@@ -240,6 +240,8 @@ class ModelRunner:
         if self.spec_k:  # [speculative] chained rows; the MTP head drafts for the next step
             extra = (self._spec_inputs(scheduled, shape),)
         with self.compiles.track():
+            if self.host_pools is not None:  # [host tier] demotions read before the step writes
+                self.host_pools.flush(self.pools)
             out = self._fns[shape.decode](self.params, self.pools, self.future, batch, sb, prev,
                                           *extra)
         self.pools, self.future, tokens, logprobs = out[:4]
@@ -283,17 +285,36 @@ class ModelRunner:
             idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
         counter = self.compiles if pairs else self.warm_compiles  # no pairs: the warm-up's
         with counter.track():
+            if self.host_pools is not None:  # [host tier] demotions read before the copy writes
+                self.host_pools.flush(self.pools)
             self.pools = _copy_slots_fn()(self.pools, idx[0], idx[1])
 
     def transfer(self, t: Any, in_use: Any = None) -> None:
-        """[host tier] Copy one ``cache.host_tier.Transfer`` between the device pools and the
-        host pools (``engine/host_pools.py``), dispatched like a step (ordered by the pools)."""
-        from mambacache.engine.host_pools import HostPools
-
-        if self.host_pools is None:
-            self.host_pools = HostPools()
+        """[host tier] Issue one ``cache.host_tier.Transfer`` (``engine/host_pools.py``): a
+        demotion is gathered before the next write of the pools, a promotion starts its load
+        (``finish_load`` scatters it). Never waits for the device."""
         with self.compiles.track():
-            self.pools = self.host_pools.transfer(self.pools, t, in_use)
+            self._host_pools().transfer(self.pools, t, in_use)
+
+    def _host_pools(self) -> Any:
+        """[host tier] The host pools, made on first use (host rows of the pools' device's
+        memory kind: ``host_pools.host_memory_kind``)."""
+        if self.host_pools is None:
+            from mambacache.engine.host_pools import HostPools, host_memory_kind
+
+            leaf = jax.tree_util.tree_leaves(self.pools)[0]
+            self.host_pools = HostPools(host_memory_kind(next(iter(leaf.devices()))))
+        return self.host_pools
+
+    def load_ready(self, device_slot: int) -> bool:
+        """[host tier] Whether the load into ``device_slot`` has landed (no wait)."""
+        return self.host_pools.load_ready(device_slot)
+
+    def finish_load(self, device_slot: int) -> None:
+        """[host tier] Scatter the load into ``device_slot`` into the pools (dispatched like a
+        step: ordered before every later step by the pools)."""
+        with self.compiles.track():
+            self.pools = self.host_pools.finish_load(self.pools, device_slot)
 
     def warm_transfers(self, max_pages: int) -> None:
         """[host tier] Compile the tier's gather / scatter programs up to ``max_pages`` pages
@@ -302,6 +323,7 @@ class ModelRunner:
 
         with self.warm_compiles.track():
             self.pools = warm(self.pools, max_pages)
+        self._host_pools().max_batch_pages = max_pages
 
     def pools_lost(self) -> bool:
         """True if a failed step consumed the donated pools (they must be rebuilt)."""

@@ -60,6 +60,8 @@ class Scheduler:
         self.tokens_read = 0  # progress [overlap]: sampled tokens read one step late
         self._out: dict[int, ScheduledSeq] = {}
         self._to_publish: list[Request] = []  # prefills whose last step wrote snapshots
+        # [host tier] running requests whose first chunk reads a state still loading
+        self._load_waiters: list[Request] = []
         # [speculative] verify rows instead of decodes when a drafter proposes tokens
         self.speculative = SpecDecoder(cfg) if cfg.speculative.enabled else None
 
@@ -102,6 +104,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         """Choose this step's work: decodes, running prefill chunks, then new admissions."""
         self._out = out = {}
+        if self.manager.loads_in_flight():  # [host tier] scatter the loads that have landed
+            self.manager.land_loads(ready_only=True)
         if self._to_publish:
             for req in self._to_publish:
                 if req.status is RUNNING:
@@ -171,6 +175,14 @@ class Scheduler:
             self.running.append(req)
             budget = self._add_chunk(req, budget)
         self.waiting.extendleft(reversed(deferred))
+        if not out and self.manager.loads_in_flight():
+            # [host tier] nothing else to run: the step waits for the loads it needs (on the
+            # device: their scatters are dispatched, the host does not block)
+            self.manager.land_loads()
+            for req in self._load_waiters:
+                if req.status is RUNNING and budget > 0:
+                    budget = self._add_chunk(req, budget)
+        self._load_waiters.clear()
         spec = self._spec
         for s in out.values():
             s.write_slot = s.write_slot or s.req.lease.running_slot
@@ -182,6 +194,12 @@ class Scheduler:
     def _add_chunk(self, req: Request, budget: int) -> int:
         """Schedule the next prefill chunk of ``req`` within ``budget``; the budget left."""
         start = req.lease.num_computed
+        slot = req.lease.next_read_slot
+        if self.manager.load_in_flight(slot) and \
+                not self.manager.land_loads(upto=slot, ready_only=True):
+            self._load_waiters.append(req)  # [host tier] runs once its load has landed
+            self.manager.count_load_wait()
+            return budget
         end = start + min(req.num_tokens - start, budget)
         if not self._grow_or_preempt(req, end):
             return budget

@@ -77,7 +77,8 @@ class ShadowRunner(ShadowTier):
                  outputs: Callable[[int, int], int | None] | None = None,
                  fail_step: Callable[[int], bool] | None = None,
                  lose_pools_on_failure: bool = False, markov: int = 0,
-                 fail_read: Callable[[int], bool] | None = None):
+                 fail_read: Callable[[int], bool] | None = None,
+                 load_latency: Callable[[int], int] | None = None):
         self.model_cfg = model_cfg
         self.page_size = page_size
         self._rng = np.random.default_rng(seed)
@@ -94,6 +95,8 @@ class ShadowRunner(ShadowTier):
         self._lost = False
         self.host_kv: dict = {}  # [host tier] host page -> (lengths, keys) of its positions
         self.host_slot: dict = {}  # [host tier] host slot -> (length, key) of its state
+        self._loads: dict = {}  # [host tier] device slot -> a load in flight (shadow_tier.py)
+        self.load_latency = load_latency  # [host tier] steps a load takes to land
         self.markov = markov
         self.num_steps = 0
         self.decode_steps = 0
@@ -275,6 +278,7 @@ class ShadowRunner(ShadowTier):
         self._future = np.zeros(0, np.int32)
         self._lost = False
         self.host_kv, self.host_slot = {}, {}  # [host tier] the cache starts empty too
+        self._loads = {}
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """``ModelRunner.copy_slots``: the state at ``dst`` becomes the one at ``src``."""
@@ -283,16 +287,19 @@ class ShadowRunner(ShadowTier):
 
     def check_tree(self, cache: CacheBase) -> None:
         """Raise ``DataflowError`` unless every state slot and KV page the radix tree holds is
-        the state / KV of the tree's token path to it (no draft token, no stale row)."""
+        the state / KV of the tree's token path to it (no draft token, no stale row); the same
+        of the host tree's host copies with a host tier (``ShadowTier.check_host_tree``)."""
         todo = [(root, np.zeros(0, np.int32)) for root in getattr(cache, "roots", {}).values()]
+        loading, loading_pages = self.pending_load_ids()  # [host tier] rows still to come
         while todo:
             node, path = todo.pop()
             path = np.concatenate([path, node.key]) if len(node.key) else path
             if len(path):
                 keys = self.prefix_keys(path)
                 d = node.depth
-                if node.slot is not None and (self.slot_len[node.slot],
-                                              self.slot_key[node.slot]) != (d, keys[d - 1]):
+                state = (self.slot_len[node.slot], self.slot_key[node.slot]) \
+                    if node.slot is not None and node.slot not in loading else None
+                if state is not None and state != (d, keys[d - 1]):
                     raise DataflowError(f"tree node at depth {d} has slot {node.slot} holding "
                                         f"the state after {self.slot_len[node.slot]} tokens "
                                         "of another prefix")
@@ -301,10 +308,15 @@ class ShadowRunner(ShadowTier):
                 pos = pos[pos < d]
                 pages = np.asarray(node.pages, np.int64)[(pos - first) // self.page_size]
                 locs = pages * self.page_size + pos % self.page_size
+                if loading_pages:
+                    keep = ~np.isin(pages, list(loading_pages))
+                    locs, pos = locs[keep], pos[keep]
                 if (self.kv_key[locs] != keys[pos]).any():
                     raise DataflowError(f"tree node at depth {d}: KV pages {node.pages.tolist()} "
                                         "hold another prefix")
             todo.extend((child, path) for child in node.children.values())
+        if getattr(cache, "host_tier", None) is not None:  # [host tier] the host tree too
+            self.check_host_tree(cache.host_tier.host)
 
     def forget(self, request_id: int) -> None:
         self._keys.pop(request_id, None)

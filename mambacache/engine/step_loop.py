@@ -59,7 +59,13 @@ class Runner(Protocol):
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
     def transfer(self, t: Any, in_use: Any = None) -> None:
-        """[host tier] Copy a ``cache.host_tier.Transfer`` between device and host pools."""
+        """[host tier] Issue a ``cache.host_tier.Transfer`` between device and host pools."""
+
+    def load_ready(self, device_slot: int) -> bool:
+        """[host tier] Whether a promotion's load into ``device_slot`` has landed."""
+
+    def finish_load(self, device_slot: int) -> None:
+        """[host tier] Write a landed load into the device pools (before any step reads it)."""
 
     def pools_lost(self) -> bool: ...
 
@@ -105,6 +111,7 @@ class StepLoop:
         outs: list[RequestOutput] = []
         launched = self._dispatch(scheduled, outs) if scheduled else None
         if launched is None and scheduled and not self.depth:
+            self._settle_loads()
             return outs  # the synchronous step failed: nothing ran, nothing to read
         if self.depth:
             to_read, self.in_flight = self.in_flight, launched
@@ -121,6 +128,7 @@ class StepLoop:
                         req.mark_pending(row)
             if self.in_flight is not None and not e.has_unfinished():
                 self._drop()  # only dropped rows are left in flight
+        self._settle_loads()
         if self.spec is not None:
             self._flush_slot_copies()  # ends released by finishes
         now = time.perf_counter()
@@ -129,6 +137,13 @@ class StepLoop:
         if check:
             e.check_integrity()
         return outs
+
+    def _settle_loads(self) -> None:
+        """[host tier] Idle: finish the loads of failed or aborted requests (nothing in flight
+        is left to an idle engine)."""
+        e = self.engine
+        if not e.has_unfinished() and e.manager.loads_in_flight():
+            e.manager.land_loads()
 
     # ---- dispatch and read -------------------------------------------------------------------
     def _dispatch(self, scheduled: list[ScheduledSeq],
