@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 KEYS = ("ttft_mean", "ttft_p99", "computed_prefill_tokens", "hit_rate", "request_throughput",
-        "host_hit_tokens", "load_wait_s", "promotions", "demotions")
+        "host_hit_tokens", "load_wait_s", "load_wait_steps", "promotions", "demotions")
 SMALL = {"cache.num_kv_tokens": 1536, "cache.num_mamba_slots": 16}
 
 
