@@ -61,11 +61,14 @@ def kimi_delta_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array
     g, beta = kda_gates(cfg, p, x)
     if decode:
         o, ssm_pool = ops.kda_decode(q, k, v, g, beta, ssm_pool, batch.read_slot,
-                                     batch.write_slot, impl=impl, mesh=mesh)
+                                     batch.write_slot, impl=impl, mesh=mesh,
+                                     fixed_order=cfg.deterministic)
     else:
         o, ssm_pool = ops.kda_extend(q, k, v, g, beta, ssm_pool, batch.cu_seqlens,
                                      batch.read_slot, batch.write_slot, batch.snap_seq,
-                                     batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh)
+                                     batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh,
+                                     fixed_order=cfg.deterministic)
     gate = ((x @ p["g_a"]) @ p["g_b"]).reshape(t, hl, d)
-    o = sigmoid_gated_rms_norm(o, gate, p["norm"], cfg.rms_norm_eps)
+    o = sigmoid_gated_rms_norm(o, gate, p["norm"], cfg.rms_norm_eps,
+                               fixed_order=cfg.deterministic)
     return o.reshape(t, hl * d) @ p["out_proj"], conv_pool, ssm_pool

@@ -61,7 +61,7 @@ def _split(cfg: ModelConfig, y: jax.Array):
 
 
 def grouped_gated_norm(y: jax.Array, z: jax.Array, weight: jax.Array, groups: int,
-                       eps: float) -> jax.Array:
+                       eps: float, *, fixed_order: bool = False) -> jax.Array:
     """``w * rmsnorm(y * silu(z))`` with the statistics per group of ``H*P / G`` channels.
 
     y, z ``[T, H*P]``; gating and statistics in fp32, the normalised value cast to y.dtype
@@ -69,7 +69,7 @@ def grouped_gated_norm(y: jax.Array, z: jax.Array, weight: jax.Array, groups: in
     t, width = y.shape
     hf = y.astype(F32) * jax.nn.silu(z.astype(F32))
     hf = hf.reshape(t, groups, width // groups)
-    hf = hf * jax.lax.rsqrt(row_mean(hf * hf) + eps)
+    hf = hf * jax.lax.rsqrt(row_mean(hf * hf, fixed_order=fixed_order) + eps)
     return weight * hf.reshape(t, width).astype(y.dtype)
 
 
@@ -108,7 +108,7 @@ def mamba2_mixer(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, conv_p
             xs, dt, a, b, c, d, ssm_pool, batch.cu_seqlens, batch.read_slot, batch.write_slot,
             batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh)
     o = grouped_gated_norm(o.reshape(o.shape[0], -1), z, p["norm"], cfg.linear_num_key_heads,
-                           cfg.rms_norm_eps)
+                           cfg.rms_norm_eps, fixed_order=cfg.deterministic)
     out = o @ p["out_proj"]
     if "out_proj_b" in p:
         out = out + p["out_proj_b"]

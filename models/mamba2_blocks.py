@@ -49,7 +49,8 @@ def plain_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array,
     k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.out_cache_loc)
     scale = cfg.attention_multiplier or d ** -0.5
     o = ops.paged_attention(q, k_pages, v_pages, batch.cu_seqlens, batch.seq_lens,
-                            batch.page_table, scale=scale, impl=impl, mesh=mesh)
+                            batch.page_table, scale=scale, impl=impl, mesh=mesh,
+                            fixed_order=cfg.deterministic)
     return o.reshape(t, hq * d) @ p["o_proj"], k_pages, v_pages
 
 
@@ -74,7 +75,7 @@ def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, impl: 
     top_vals, top_idx = route(x.astype(F32), p["router"].astype(F32), cfg.num_experts_per_tok,
                               cfg.norm_topk_prob, bias=p["router_bias"],
                               groups=(cfg.n_group, cfg.topk_group),
-                              scale=cfg.routed_scaling_factor)
+                              scale=cfg.routed_scaling_factor, fixed_order=cfg.deterministic)
     if impl == "reference":
         w = _weights(top_vals, top_idx, num_experts)                 # [T, E]
         h = relu2(jnp.einsum("td,edi->tei", x, p["up"]))
@@ -101,5 +102,7 @@ def granite_ffn(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str
     if "moe" not in layer:
         return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
     if impl == "reference":
-        return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok, True)
-    return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, True, mesh=mesh)
+        return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok, True,
+                                   fixed_order=cfg.deterministic)
+    return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, True, mesh=mesh,
+                       fixed_order=cfg.deterministic)

@@ -81,12 +81,13 @@ def gated_delta_net(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, con
     if decode:
         o, ssm_pool = ops.gated_delta_rule_decode(
             q, k, v, g, beta, ssm_pool, batch.read_slot, batch.write_slot, impl=impl,
-            mesh=mesh)
+            mesh=mesh, fixed_order=cfg.deterministic)
     else:
         o, ssm_pool = ops.gated_delta_rule_extend(
             q, k, v, g, beta, ssm_pool, batch.cu_seqlens, batch.read_slot, batch.write_slot,
-            batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh)
-    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
+            batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh,
+            fixed_order=cfg.deterministic)
+    o = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps, fixed_order=cfg.deterministic)
     out = o.reshape(o.shape[0], cfg.linear_value_dim) @ p["out_proj"]
     return out, conv_pool, ssm_pool
 
@@ -106,12 +107,13 @@ def full_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, k_pa
     qg = proj[..., :2 * r * d].reshape(t, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
     k, v = proj[..., 2 * r * d:(2 * r + 1) * d], proj[..., (2 * r + 1) * d:]
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, fixed_order=cfg.deterministic)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, fixed_order=cfg.deterministic)
     cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.out_cache_loc)
     o = ops.paged_attention(q, k_pages, v_pages, batch.cu_seqlens, batch.seq_lens,
-                            batch.page_table, scale=d ** -0.5, impl=impl, mesh=mesh)
+                            batch.page_table, scale=d ** -0.5, impl=impl, mesh=mesh,
+                            fixed_order=cfg.deterministic)
     o = o.reshape(t, hq * d) * jax.nn.sigmoid(gate)
     return o @ p["o_proj"], k_pages, v_pages

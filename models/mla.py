@@ -49,13 +49,13 @@ def mla_attention_layer(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array,
     dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     q = (x @ p["q_proj"]).reshape(t, hq, dn + dr)
     kv = x @ p["kv_a"]
-    latent = rms_norm_plain(kv[:, :r], p["kv_norm"], KV_NORM_EPS)
+    latent = rms_norm_plain(kv[:, :r], p["kv_norm"], KV_NORM_EPS, fixed_order=cfg.deterministic)
     latent_pages = ops.write_latent(latent_pages, jnp.concatenate([latent, kv[:, r:]], -1),
                                     batch.out_cache_loc)
     q_lat = jnp.einsum("thn,hrn->thr", q[..., :dn], p["k_up"])
     q_abs = jnp.concatenate([q_lat, q[..., dn:]], axis=-1)
     o_lat = ops.mla_attention(q_abs, latent_pages, batch.cu_seqlens, batch.seq_lens,
                               batch.page_table, kv_lora_rank=r, scale=(dn + dr) ** -0.5,
-                              impl=impl, mesh=mesh)
+                              impl=impl, mesh=mesh, fixed_order=cfg.deterministic)
     o = jnp.einsum("thr,hrv->thv", o_lat, p["v_up"]).reshape(t, hq * dv)
     return o @ p["o_proj"], latent_pages

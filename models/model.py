@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from models.config import ModelConfig
 from models.moe import mlp_block  # noqa: F401  (re-exported: the Qwen / Kimi feed-forward)
 from pallas_kernels import ops
-from pallas_kernels.fixed_order import fixed_order
 
 KERNELS = ("pallas", "reference", "auto")
 
@@ -42,13 +41,14 @@ def _layers(cfg: ModelConfig, params: dict[str, Any], pools: Any, h: jax.Array, 
     """Every decoder layer in order (``Family``'s block structure); returns (h, pools). Linear
     layers take the conv / ssm slots in order, attention layers the KV (or latent) pages."""
     family, eps, m = cfg.model_family, cfg.rms_norm_eps, cfg.residual_multiplier
+    fixed = cfg.deterministic  # [deterministic] row reductions in a fixed order
     k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
     conv, ssm = list(pools.conv), list(pools.ssm)
     full_i = linear_i = 0
     for kind, mlp, layer in zip(cfg.layer_types, cfg.mlp_types, params["layers"], strict=True):
         if kind != "none":
             mixer = family.mixers[kind]
-            x = family.norm(h, layer["input_norm"], eps)
+            x = family.norm(h, layer["input_norm"], eps, fixed_order=fixed)
             if mixer.pool == "state":
                 i, arrays = linear_i, (conv[linear_i], ssm[linear_i])
                 linear_i += 1
@@ -65,7 +65,8 @@ def _layers(cfg: ModelConfig, params: dict[str, Any], pools: Any, h: jax.Array, 
                     v_pages[i] = arrays[1]
             h = _residual(h, x, m)
         if mlp != "none":
-            x = family.norm(h, layer["post_norm" if "post_norm" in layer else "input_norm"], eps)
+            w = layer["post_norm" if "post_norm" in layer else "input_norm"]
+            x = family.norm(h, w, eps, fixed_order=fixed)
             h = _residual(h, family.ffn(cfg, layer, x, impl, mesh), m)
     return h, pools.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv),
                             ssm=tuple(ssm))
@@ -84,27 +85,30 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    impl = ops.resolve_impl(kernels)
+    impl = ops.resolve_impl(kernels, deterministic=cfg.deterministic)
     if decode and batch.input_ids.shape[0] != batch.read_slot.shape[0]:
         raise ValueError(f"decode needs one token per sequence: {batch.input_ids.shape[0]} tokens, "
                          f"{batch.read_slot.shape[0]} sequences")
-    with fixed_order(cfg.deterministic):  # [deterministic] pallas_kernels/fixed_order.py
-        return _forward(params, pools, batch, cfg, impl, decode, mesh, return_hidden)
+    return _forward(params, pools, batch, cfg, impl, decode, mesh, return_hidden)
 
 
 def _forward(params: dict[str, Any], pools: Any, batch: Any, cfg: ModelConfig, impl: str,
              decode: bool, mesh: Mesh | None, return_hidden: bool) -> tuple[Any, ...]:
-    norm, eps = cfg.model_family.norm, cfg.rms_norm_eps
+    eps = cfg.rms_norm_eps
+
+    def norm(x: jax.Array, w: jax.Array) -> jax.Array:  # [deterministic] fixed order if asked
+        return cfg.model_family.norm(x, w, eps, fixed_order=cfg.deterministic)
+
     h = jnp.take(params["embed"], batch.input_ids, axis=0)
     if cfg.embedding_multiplier != 1.0:
         h = h * cfg.embedding_multiplier
     h, pools = _layers(cfg, params, pools, h, batch, impl=impl, decode=decode, mesh=mesh)
     if return_hidden:  # the same row-wise norm as below, on every token
-        hidden = norm(h, params["final_norm"], eps)
+        hidden = norm(h, params["final_norm"])
         logits = jnp.take(hidden, batch.logits_indices, axis=0) @ params["lm_head"]
     else:
         h = jnp.take(h, batch.logits_indices, axis=0)
-        logits = norm(h, params["final_norm"], eps) @ params["lm_head"]
+        logits = norm(h, params["final_norm"]) @ params["lm_head"]
     if cfg.logits_scaling != 1.0:
         logits = logits / cfg.logits_scaling
     logits = logits.astype(jnp.float32)

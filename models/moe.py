@@ -37,28 +37,29 @@ TP_AXIS = "tp"
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
           bias: jax.Array | None = None, groups: tuple[int, int] = (1, 1),
-          scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+          scale: float = 1.0, fixed_order: bool = False) -> tuple[jax.Array, jax.Array]:
     """Top-k routing: weights ``[T, k]`` in x.dtype and expert ids ``[T, k]`` int32.
 
     x ``[T, H]``, router ``[H, E]``; softmax in fp32, renormalised over the top-k if
     ``norm_topk_prob``. Raises ``ValueError`` unless ``1 <= top_k <= E``. With ``bias``
     (``[E]``, DeepSeek-V3 / Kimi Linear) the scores are sigmoids instead, see ``_route_biased``.
+    ``fixed_order`` (``model.deterministic``): softmax and renormalisation sum in a fixed tree.
     """
     num_experts = router.shape[-1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     if bias is not None:
-        return _route_biased(x, router, top_k, norm_topk_prob, bias, groups, scale)
-    probs = softmax((x @ router).astype(F32))
+        return _route_biased(x, router, top_k, norm_topk_prob, bias, groups, scale, fixed_order)
+    probs = softmax((x @ router).astype(F32), fixed_order=fixed_order)
     top_vals, top_idx = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
-        top_vals = top_vals / row_sum(top_vals)
+        top_vals = top_vals / row_sum(top_vals, fixed_order=fixed_order)
     return top_vals.astype(x.dtype), top_idx.astype(jnp.int32)
 
 
 def _route_biased(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
                   bias: jax.Array, groups: tuple[int, int],
-                  scale: float) -> tuple[jax.Array, jax.Array]:
+                  scale: float, fixed_order: bool) -> tuple[jax.Array, jax.Array]:
     """Sigmoid scores ``s`` (fp32); the choice ranks ``s + bias``: the experts form ``groups[0]``
     groups, each scored by the sum of its two best, and only the best ``groups[1]`` groups stay
     eligible; top-k of those. Weights: ``s`` of the chosen (renormalised with ``+ 1e-20`` if
@@ -74,7 +75,7 @@ def _route_biased(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: b
     _, top_idx = jax.lax.top_k(choice, top_k)
     top_vals = jnp.take_along_axis(scores, top_idx, axis=-1)
     if norm_topk_prob:
-        top_vals = top_vals / (row_sum(top_vals) + 1e-20)
+        top_vals = top_vals / (row_sum(top_vals, fixed_order=fixed_order) + 1e-20)
     return (top_vals * scale).astype(x.dtype), top_idx.astype(jnp.int32)
 
 
@@ -195,7 +196,8 @@ def mlp_block(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
     ``ragged_dot`` lowers to a masked dense product that costs E / k times more
     (``docs/model.md``)."""
     if "moe" in layer:
-        routing = {"groups": (cfg.n_group, cfg.topk_group), "scale": cfg.routed_scaling_factor}
+        routing = {"groups": (cfg.n_group, cfg.topk_group), "scale": cfg.routed_scaling_factor,
+                   "fixed_order": cfg.deterministic}
         if impl == "reference":
             return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok,
                                        cfg.norm_topk_prob, **routing)

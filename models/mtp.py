@@ -40,14 +40,18 @@ def mtp_layer(cfg: ModelConfig, mtp: dict[str, Any], embed: jax.Array, ids: jax.
     position), ``hidden`` ``[T, H]`` (the target's final-normed hidden state there, or the
     MTP's own output when chaining). K/V are written at ``batch.out_cache_loc``. Returns
     (``g [T, H]`` final-normed, k_pages, v_pages)."""
-    eps, layer = cfg.rms_norm_eps, mtp["layer"]
-    e = rms_norm(jnp.take(embed, ids, axis=0), mtp["embed_norm"], eps)
-    u = jnp.concatenate([e, rms_norm(hidden, mtp["hidden_norm"], eps)], axis=-1) @ mtp["fc"]
-    a, k_pages, v_pages = full_attention(cfg, layer["attn"], rms_norm(u, layer["input_norm"], eps),
+    layer = mtp["layer"]
+
+    def norm(x: jax.Array, w: jax.Array) -> jax.Array:  # [deterministic] fixed order if asked
+        return rms_norm(x, w, cfg.rms_norm_eps, fixed_order=cfg.deterministic)
+
+    e = norm(jnp.take(embed, ids, axis=0), mtp["embed_norm"])
+    u = jnp.concatenate([e, norm(hidden, mtp["hidden_norm"])], axis=-1) @ mtp["fc"]
+    a, k_pages, v_pages = full_attention(cfg, layer["attn"], norm(u, layer["input_norm"]),
                                          k_pages, v_pages, batch, impl, mesh)
     u = u + a
-    u = u + mlp_block(cfg, layer, rms_norm(u, layer["post_norm"], eps), impl, mesh)
-    return rms_norm(u, mtp["final_norm"], eps), k_pages, v_pages
+    u = u + mlp_block(cfg, layer, norm(u, layer["post_norm"]), impl, mesh)
+    return norm(u, mtp["final_norm"]), k_pages, v_pages
 
 
 def accepted_counts(draft_ids: jax.Array, next_ids: jax.Array, first: jax.Array,

@@ -19,10 +19,11 @@ def interpret_default(family: str = "tpu") -> bool:
     return jax.default_backend() != family
 
 
-def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """``x * rsqrt(sum(x^2, -1) + eps)`` in float32 (transformers' ``l2norm``)."""
+def l2norm(x: jax.Array, eps: float = 1e-6, *, fixed_order: bool = False) -> jax.Array:
+    """``x * rsqrt(sum(x^2, -1) + eps)`` in float32 (transformers' ``l2norm``); the sum in the
+    fixed tree of ``fixed_order.py`` if ``fixed_order``."""
     x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(row_sum(x32 * x32) + eps)
+    return x32 * jax.lax.rsqrt(row_sum(x32 * x32, fixed_order=fixed_order) + eps)
 
 
 def token_seq_ids(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:

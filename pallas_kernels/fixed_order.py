@@ -6,38 +6,17 @@ whatever the other axes' sizes. XLA's ``reduce`` promises no such thing: on CPU 
 reduce over ``[T, D]`` is vectorised according to T (rows 0..39 of T = 64 and T = 128 round
 differently in fp32), so a request's norms changed with the step it shared.
 
-``row_sum`` / ``row_mean`` / ``softmax`` / ``log_softmax`` take that order while the trace-time
-switch ``fixed_order(True)`` is on, else they are the plain ``jnp`` / ``jax.nn`` forms (the
-default mode is unchanged, bit for bit). ``models.model.forward`` and the engine's step turn the
-switch on from ``ModelConfig.deterministic``; jitted programs are keyed by that config (a static
-argument), so a switch read while tracing never reaches another config's program.
+``row_sum`` / ``row_mean`` / ``softmax`` / ``log_softmax`` / ``prefix_sum`` take that order when
+their keyword ``fixed_order`` is True, else they are the plain ``jnp`` / ``jax.nn`` forms (the
+default mode is unchanged, bit for bit). ``fixed_order`` is a Python bool, static wherever it is
+traced: the model passes ``ModelConfig.deterministic`` down explicitly (norms, routers, the
+kernel ops' ``fixed_order`` static, the sampler); nothing here reads a global switch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
 import jax
 import jax.numpy as jnp
-
-_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("fixed_order", default=False)
-
-
-def enabled() -> bool:
-    """Whether reductions traced now take the fixed order."""
-    return _ON.get()
-
-
-@contextlib.contextmanager
-def fixed_order(on: bool) -> Iterator[None]:
-    """Reductions traced inside take the fixed order if ``on`` (nested: the inner one wins)."""
-    token = _ON.set(bool(on))
-    try:
-        yield
-    finally:
-        _ON.reset(token)
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
@@ -52,28 +31,42 @@ def tree_sum(x: jax.Array) -> jax.Array:
     return x
 
 
-def row_sum(x: jax.Array) -> jax.Array:
-    """``sum(x, -1, keepdims=True)``; the fixed order under ``fixed_order(True)``."""
-    return tree_sum(x) if enabled() else jnp.sum(x, axis=-1, keepdims=True)
+def row_sum(x: jax.Array, *, fixed_order: bool) -> jax.Array:
+    """``sum(x, -1, keepdims=True)``; the fixed tree if ``fixed_order``."""
+    return tree_sum(x) if fixed_order else jnp.sum(x, axis=-1, keepdims=True)
 
 
-def row_mean(x: jax.Array) -> jax.Array:
-    """``mean(x, -1, keepdims=True)``; the fixed order under ``fixed_order(True)``."""
-    return tree_sum(x) / x.shape[-1] if enabled() else jnp.mean(x, axis=-1, keepdims=True)
+def row_mean(x: jax.Array, *, fixed_order: bool) -> jax.Array:
+    """``mean(x, -1, keepdims=True)``; the fixed tree if ``fixed_order``."""
+    return tree_sum(x) / x.shape[-1] if fixed_order else jnp.mean(x, axis=-1, keepdims=True)
 
 
-def softmax(x: jax.Array) -> jax.Array:
-    """``jax.nn.softmax(x, -1)``; the fixed order under ``fixed_order(True)`` (max is exact in
-    any order; the sum is the tree)."""
-    if not enabled():
+def softmax(x: jax.Array, *, fixed_order: bool) -> jax.Array:
+    """``jax.nn.softmax(x, -1)``; if ``fixed_order``, the sum is the tree (max is exact in any
+    order)."""
+    if not fixed_order:
         return jax.nn.softmax(x, axis=-1)
     e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
     return e / tree_sum(e)
 
 
-def log_softmax(x: jax.Array) -> jax.Array:
-    """``jax.nn.log_softmax(x, -1)``; the fixed order under ``fixed_order(True)``."""
-    if not enabled():
+def log_softmax(x: jax.Array, *, fixed_order: bool) -> jax.Array:
+    """``jax.nn.log_softmax(x, -1)``; if ``fixed_order``, the sum is the tree."""
+    if not fixed_order:
         return jax.nn.log_softmax(x, axis=-1)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     return shifted - jnp.log(tree_sum(jnp.exp(shifted)))
+
+
+def prefix_sum(x: jax.Array, *, fixed_order: bool) -> jax.Array:
+    """``cumsum(x, -1)``; if ``fixed_order``, a Hillis-Steele scan (``log2 n`` shifted
+    elementwise adds): element i's sum has the same association whatever the other axes' sizes
+    (XLA's cumsum promises no such thing)."""
+    if not fixed_order:
+        return jnp.cumsum(x, axis=-1)
+    n, shift = x.shape[-1], 1
+    while shift < n:
+        pad = [(0, 0)] * (x.ndim - 1) + [(shift, 0)]
+        x = x + jnp.pad(x[..., :n - shift], pad)
+        shift *= 2
+    return x

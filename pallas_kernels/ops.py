@@ -9,7 +9,11 @@
 overrides it (e.g. to run the GPU kernels interpreted on CPU). A family runs compiled on its own
 backend and interpreted elsewhere; ``PALLAS_INTERPRET=0|1`` overrides that
 (``_common.interpret_default``). "reference" runs the plain-jnp forms of
-``pallas_kernels/reference/``. Shapes, padding conventions and the math are in
+``pallas_kernels/reference/``.
+
+``fixed_order`` (static; ``model.deterministic``): the references sum their row reductions
+(l2norm, softmax) in the fixed tree of ``fixed_order.py``. A deterministic model runs the
+references only (``resolve_impl``). Shapes, padding conventions and the math are in
 ``docs/kernels.md`` and in each kernel module. All pools are returned updated (donate them in
 the caller's jit).
 
@@ -23,6 +27,7 @@ head-sharded pools onto every device around it.
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -73,12 +78,25 @@ FAMILIES = {
 }
 
 
-def resolve_impl(kernels: str) -> str:
-    """Map ``"auto"`` to "pallas" on gpu/tpu backends and "reference" on cpu."""
+def resolve_impl(kernels: str, *, deterministic: bool = False) -> str:
+    """Map ``"auto"`` to "pallas" on gpu/tpu backends and "reference" on cpu.
+
+    [deterministic] ``deterministic`` (``model.deterministic``): "reference" on every backend,
+    and "pallas" is a ``ValueError``. The references run the recurrences token by token, so a
+    token's bits do not depend on where its extend started; the Pallas kernels compute a token
+    from its chunk's start state and in-chunk matrices, with chunks counted from each extend's
+    start (a chunked prefill, a cache hit or a decode step changes them), and sum attention in
+    blocks of their own: they do not keep the property (``docs/engine.md``)."""
+    if kernels not in IMPLS + ("auto",):
+        raise ValueError(f"kernels must be 'auto', 'pallas' or 'reference', got {kernels!r}")
+    if deterministic:
+        if kernels == "pallas":
+            raise ValueError("kernels 'pallas' cannot be deterministic (model.deterministic = "
+                             "true): the Pallas kernels' chunks start where each extend starts; "
+                             "use 'reference' or 'auto'")
+        return "reference"
     if kernels == "auto":
         return "reference" if jax.default_backend() == "cpu" else "pallas"
-    if kernels not in IMPLS:
-        raise ValueError(f"kernels must be 'auto', 'pallas' or 'reference', got {kernels!r}")
     return kernels
 
 
@@ -102,6 +120,12 @@ def _kernel(impl: str, name: str):
     fn = getattr(FAMILIES[family], name)
     interpret = interpret_default(family)
     return lambda *args, **kw: fn(*args, interpret=interpret, **kw)
+
+
+def _op(impl: str, name: str, reference, fixed_order: bool):
+    """The family's kernel ``name`` (``_kernel``), or ``reference`` with ``fixed_order`` bound
+    (its row sums in a fixed tree: ``fixed_order.py``, ``model.deterministic``)."""
+    return _kernel(impl, name) or functools.partial(reference, fixed_order=fixed_order)
 
 
 TP_AXIS = "tp"  # the mesh axis heads and channels are split over (``mambacache.parallel`` too)
@@ -129,24 +153,24 @@ def _on_mesh(fn, mesh: Mesh | None, in_specs: tuple, out_specs):
 
 def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
                             snap_seq, snap_offset, snap_slot, *, impl: str,
-                            mesh: Mesh | None = None):
+                            mesh: Mesh | None = None, fixed_order: bool = False):
     """q, k ``[T, Hk, Dk]`` raw; v ``[T, Hv, Dv]``; g, beta ``[T, Hv]`` f32; ssm_pool ``[N, Hv,
     Dk, Dv]`` f32. Returns ``(o [T, Hv, Dv] in v.dtype, ssm_pool)``. With ``mesh``: heads of
     q, k, v, g, beta, o and the pool split over "tp" (tp divides Hk and Hv, so each device's
     key heads are the GQA groups of its value heads)."""
     args = _arrays((q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    fn = _kernel(impl, "gdr_extend") or _gdr_ref.gated_delta_rule_extend_reference
+    fn = _op(impl, "gdr_extend", _gdr_ref.gated_delta_rule_extend_reference, fixed_order)
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 6
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, impl: str,
-                            mesh: Mesh | None = None):
+                            mesh: Mesh | None = None, fixed_order: bool = False):
     """q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``. Returns ``(o, ssm_pool)``.
     With ``mesh``: split as in ``gated_delta_rule_extend``."""
     args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
-    fn = _kernel(impl, "gdr_decode") or _gdr_ref.gated_delta_rule_decode_reference
+    fn = _op(impl, "gdr_decode", _gdr_ref.gated_delta_rule_decode_reference, fixed_order)
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 2
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
@@ -191,12 +215,12 @@ def write_kv(k_pages, v_pages, k, v, out_cache_loc):
 
 
 def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
-                    impl: str, mesh: Mesh | None = None):
+                    impl: str, mesh: Mesh | None = None, fixed_order: bool = False):
     """q ``[T, Hq, D]``; pages hold this step's K/V already. Returns ``[T, Hq, D]`` in q.dtype.
     With ``mesh``: query heads of q and the output, KV heads of the pages split over "tp"
     (tp divides Hkv, so each device's query heads are the GQA groups of its KV heads)."""
     args = _arrays((q, k_pages, v_pages, cu_seqlens, seq_lens, page_table))
-    kernel = _kernel(impl, "paged_attention") or _attn_ref.paged_attention_reference
+    kernel = _op(impl, "paged_attention", _attn_ref.paged_attention_reference, fixed_order)
 
     def fn(*a):
         return kernel(*a, scale=scale)
@@ -206,24 +230,25 @@ def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, sc
 
 
 def kda_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-               snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None):
+               snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None,
+               fixed_order: bool = False):
     """Kimi Delta Attention prefill: the gated delta rule with a per-key-channel decay.
     q, k ``[T, H, Dk]`` raw; v ``[T, H, Dv]``; g ``[T, H, Dk]`` f32 (log decay); beta ``[T, H]``
     f32; ssm_pool ``[N, H, Dk, Dv]`` f32. Returns ``(o [T, H, Dv] in v.dtype, ssm_pool)``, finals
     and snapshots as ``gated_delta_rule_extend``. With ``mesh``: heads split over "tp"."""
     args = _arrays((q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    fn = _kernel(impl, "kda_extend") or _kda_ref.kda_extend_reference
+    fn = _op(impl, "kda_extend", _kda_ref.kda_extend_reference, fixed_order)
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 6
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
 
 def kda_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, impl: str,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, fixed_order: bool = False):
     """KDA, one token per sequence: shapes as ``kda_extend`` with ``T = B``. Returns
     ``(o, ssm_pool)``. With ``mesh``: heads split over "tp"."""
     args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
-    fn = _kernel(impl, "kda_decode") or _kda_ref.kda_decode_reference
+    fn = _op(impl, "kda_decode", _kda_ref.kda_decode_reference, fixed_order)
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 2
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
 
@@ -238,7 +263,8 @@ def write_latent(latent_pages, latent, out_cache_loc):
 
 
 def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_rank: int,
-                  scale: float, impl: str, mesh: Mesh | None = None):
+                  scale: float, impl: str, mesh: Mesh | None = None,
+                  fixed_order: bool = False):
     """Weight-absorbed MLA over the paged latent cache: one shared "KV head" whose key is the
     whole latent row and whose value is its first ``kv_lora_rank`` values.
 
@@ -250,7 +276,7 @@ def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_
     latent pages as both K and V (GQA with one KV head, ``reference.mla_attention``).
     With ``mesh``: query heads split over "tp", the latent pages replicated."""
     args = _arrays((q, latent_pages, cu_seqlens, seq_lens, page_table))
-    kernel = _kernel(impl, "mla_attention") or _mla_ref.mla_attention_reference
+    kernel = _op(impl, "mla_attention", _mla_ref.mla_attention_reference, fixed_order)
 
     def fn(*a):
         return kernel(*a, kv_lora_rank=kv_lora_rank, scale=scale)

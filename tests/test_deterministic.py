@@ -1,10 +1,11 @@
 """``model.deterministic`` (issue 28): in bf16, a request's tokens and logprobs are identical
 (``==``) whether it runs alone, cache off, chunked prefill 256, or among other requests with the
 cache on (shared prefixes, an identical prompt), chunked prefill 13, page size 4; with
-``speculative.method`` ``"none"`` and ``"ngram"``.
+``speculative.method`` ``"none"``, ``"ngram"`` and ``"mtp"``, seeded top-k / top-p sampling,
+preemption, and both runs at tensor parallel 2.
 
-The default family without drafts runs in CI; the other cases (same test, more compiles) behind
-``-m slow``.
+The default family without drafts and the sampler's unit checks run in CI; the family sweeps
+(same check, more compiles) behind ``-m slow``.
 """
 
 from __future__ import annotations
@@ -19,23 +20,28 @@ import pytest
 import mambacache as mc
 from mambacache.engine.buckets import DETERMINISTIC_MIN_ROWS, Buckets
 from mambacache.engine.engine import Engine, load_model
+from mambacache.engine.sampling import SamplingBatch, sample
+from pallas_kernels import ops
 from pallas_kernels._common import l2norm
-from pallas_kernels.fixed_order import fixed_order, tree_sum
+from pallas_kernels.fixed_order import prefix_sum, tree_sum
 from tests.multidevice import finish_worker, start_worker
 
 GREEDY = mc.SamplingParams(max_new_tokens=5)
+#: seeded sampling with top-k and top-p (the sampler's sort, softmax and cumulative sum)
+SAMPLED = mc.SamplingParams(max_new_tokens=5, temperature=0.9, top_k=40, top_p=0.9, seed=7)
 SLOW = pytest.mark.slow
 PRESETS = ("tiny_qwen3_next", "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_nemotron_h",
            "tiny_granite_4_h", "tiny_kimi_linear")
+MTP_PRESETS = ("tiny_qwen3_next", "tiny_qwen3_5", "tiny_qwen3_5_moe")  # families with an MTP head
 CASES = [("tiny_qwen3_next", "none")] + [  # (preset, speculative.method)
     pytest.param(p, m, marks=SLOW) for m in ("none", "ngram") for p in PRESETS
     if (p, m) != ("tiny_qwen3_next", "none")]
 
 
 @functools.cache
-def _model(preset: str):
-    return load_model(mc.EngineConfig().replace(**{"model.preset": preset,
-                                                   "model.dtype": "bfloat16"}))
+def _model(preset: str, method: str = "none"):
+    return load_model(mc.EngineConfig().replace(**{
+        "model.preset": preset, "model.dtype": "bfloat16", "speculative.method": method}))
 
 
 def _engine(preset: str, **overrides) -> Engine:
@@ -43,7 +49,7 @@ def _engine(preset: str, **overrides) -> Engine:
         "model.preset": preset, "model.dtype": "bfloat16", "model.kernels": "reference",
         "model.deterministic": True, "cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 24,
         "scheduler.max_running_requests": 8, **overrides})
-    return Engine(cfg, model=_model(preset))
+    return Engine(cfg, model=_model(preset, cfg.speculative.method))
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -57,34 +63,69 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 @pytest.mark.parametrize("preset,method", CASES)
 def test_alone_equals_batched_chunked_cached(preset, method):
-    check_alone_equals_batched(preset, **{"speculative.method": method})
+    metrics = check_alone_equals_batched(preset, **{"speculative.method": method})
+    if method != "none":  # drafts were verified and some accepted
+        assert metrics["spec_accepted_tokens"] > 0, metrics
 
 
 @SLOW
-def test_alone_equals_batched_at_tensor_parallel_2():
+@pytest.mark.parametrize("preset", PRESETS)
+def test_sampled_alone_equals_batched(preset):
+    """Seeded sampling with top-k / top-p: the same tokens and logprobs alone or batched (the
+    batch's other requests greedy)."""
+    check_alone_equals_batched(preset, SAMPLED)
+
+
+@SLOW
+@pytest.mark.parametrize("preset", MTP_PRESETS)
+def test_mtp_alone_equals_batched(preset):
+    metrics = check_alone_equals_batched(preset, **{"speculative.method": "mtp"})
+    assert metrics["spec_accepted_tokens"] > 0, metrics
+
+
+@SLOW
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preempted_alone_equals_batched(preset):
+    """The batched run's KV pool (96 tokens) is too small for its requests: the newest are
+    preempted (progress cached), resumed, and still give the bits they give alone."""
+    metrics = check_alone_equals_batched(
+        preset, mc.SamplingParams(max_new_tokens=16),
+        batched={"cache.num_kv_tokens": 96, "scheduler.check_integrity_every_step": True})
+    assert metrics["preemptions"] > 0, metrics
+
+
+@SLOW
+@pytest.mark.parametrize("preset", PRESETS)
+def test_alone_equals_batched_at_tensor_parallel_2(preset):
     """Both runs at TP 2 (4 forced CPU devices, in a subprocess)."""
     worker = ("import json\n"
               "from tests.test_deterministic import check_alone_equals_batched\n"
-              "check_alone_equals_batched('tiny_qwen3_next', **{'parallel.tensor_parallel': 2})\n"
+              f"check_alone_equals_batched({preset!r}, **{{'parallel.tensor_parallel': 2}})\n"
               "print(json.dumps({'ok': True}))\n")
-    assert finish_worker(start_worker(worker), "tp2", timeout=1500) == {"ok": True}
+    assert finish_worker(start_worker(worker), f"tp2 {preset}", timeout=1500) == {"ok": True}
 
 
-def check_alone_equals_batched(preset: str, **overrides) -> None:
-    """The issue's check for ``preset`` (``overrides`` in both runs)."""
+def check_alone_equals_batched(preset: str, params: mc.SamplingParams = GREEDY,
+                               batched: dict | None = None, **overrides) -> dict:
+    """The issue's check for ``preset`` (``overrides`` in both runs, ``batched`` in the
+    batched run only: then its cache hits are not asserted). The batch's other requests are
+    greedy. Returns the batched engine's metrics."""
     prompts, others = _prompts()
     alone = _engine(preset, **{"cache.enable": False, "cache.page_size": 4,
                                "scheduler.chunked_prefill_size": 256, **overrides})
-    a = [alone.generate([p], GREEDY)[0] for p in prompts]
-    batched = _engine(preset, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 13,
-                                 **overrides})
-    batched.generate([prompts[0][:34], others[0]], GREEDY)  # the shared prefix is cached
-    b = batched.generate(prompts + others, GREEDY)[:len(prompts)]
+    a = [alone.generate([p], params)[0] for p in prompts]
+    engine = _engine(preset, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 13,
+                                **overrides, **(batched or {})})
+    engine.generate([prompts[0][:34], others[0]], GREEDY)  # the shared prefix is cached
+    b = engine.generate(prompts + others,
+                        [params] * len(prompts) + [GREEDY] * len(others))[:len(prompts)]
     for x, y in zip(a, b, strict=True):
         assert x.output_token_ids == y.output_token_ids, (preset, x.request_id)
         assert x.output_logprobs == y.output_logprobs, (preset, x.request_id)
-    assert b[0].cached_tokens == 32 and b[3].cached_tokens >= 32, [o.cached_tokens for o in b]
-    batched.check_integrity()
+    if not batched:
+        assert b[0].cached_tokens == 32 and b[3].cached_tokens >= 32, [o.cached_tokens for o in b]
+    engine.check_integrity()
+    return engine.metrics()
 
 
 def test_fixed_order_rows_do_not_depend_on_the_row_count():
@@ -93,14 +134,46 @@ def test_fixed_order_rows_do_not_depend_on_the_row_count():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((256, 2, 16)), jnp.float32)
 
     def rows(on: bool, t: int) -> np.ndarray:
-        def fn(a):
-            with fixed_order(on):
-                return l2norm(a)
-        return np.asarray(jax.jit(fn)(x[:t])[:40])
+        fn = jax.jit(functools.partial(l2norm, fixed_order=on))
+        return np.asarray(fn(x[:t])[:40])
 
     assert all(np.array_equal(rows(True, t), rows(True, 64)) for t in (128, 256))
     np.testing.assert_allclose(rows(True, 64), rows(False, 64), rtol=1e-6)
     np.testing.assert_allclose(tree_sum(x[..., :5])[..., 0], x[..., :5].sum(-1), atol=1e-5)
+
+
+_fixed_sample = jax.jit(functools.partial(sample, fixed_order=True))
+
+
+def test_sampler_rows_do_not_depend_on_the_batch():
+    """Under ``fixed_order`` a row's token and logprob are the same (``==``) whatever the row
+    count and whatever the other rows sample (greedy rows among sampled ones take the sort
+    path); the fixed prefix sum equals ``cumsum`` to rounding."""
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((64, 128)) * 3, jnp.float32)
+
+    def run(n: int, sampled_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        ps = [SAMPLED if i < sampled_rows else GREEDY for i in range(n)]
+        sb = SamplingBatch.from_params(ps, list(range(n)), n)
+        tokens, logprobs = _fixed_sample(logits[:n], sb)
+        return np.asarray(tokens)[:32], np.asarray(logprobs)[:32]
+
+    ref_tokens, ref_logprobs = run(32, 16)
+    tokens, logprobs = run(64, 16)
+    assert np.array_equal(tokens, ref_tokens) and np.array_equal(logprobs, ref_logprobs)
+    greedy_tokens, greedy_logprobs = run(32, 0)  # every row greedy: no sort
+    assert np.array_equal(greedy_tokens[16:], ref_tokens[16:])
+    assert np.array_equal(greedy_logprobs[16:], ref_logprobs[16:])
+    x = jax.nn.softmax(logits, -1)
+    np.testing.assert_allclose(prefix_sum(x, fixed_order=True), jnp.cumsum(x, -1), atol=1e-6)
+
+
+def test_pallas_kernels_are_refused_and_auto_runs_the_references():
+    with pytest.raises(ValueError, match="'pallas' cannot be deterministic"):
+        mc.EngineConfig().replace(**{"model.kernels": "pallas", "model.deterministic": True})
+    assert ops.resolve_impl("auto", deterministic=True) == "reference"
+    with pytest.raises(ValueError, match="'pallas' cannot be deterministic"):
+        ops.resolve_impl("pallas", deterministic=True)
 
 
 def test_min_rows_pads_every_program():

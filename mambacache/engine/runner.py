@@ -38,7 +38,6 @@ from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, l
 from models.model import forward as model_forward
 from models.mtp import mtp_draft
 from pallas_kernels import ops
-from pallas_kernels.fixed_order import fixed_order
 
 __all__ = ["MIN_PAGE_BUCKET", "MIN_SEQ_BUCKET", "MIN_SNAPSHOT_BUCKET", "MIN_TOKEN_BUCKET",
            "ModelRunner", "bucket", "jitted_sharded_step", "jitted_step"]
@@ -68,14 +67,15 @@ def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
     out = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
                         mesh=mesh, return_hidden=num_drafts > 0)
     pools, logits = out[:2]
-    with fixed_order(getattr(cfg, "deterministic", False)):  # [deterministic]
-        tokens, logprobs = sample(logits, sb)
+    deterministic = getattr(cfg, "deterministic", False)
+    # [deterministic] the sampler's row sums in a fixed order (engine/sampling.py)
+    tokens, logprobs = sample(logits, sb, fixed_order=deterministic)
     drafts = None
     if num_drafts:
+        impl = ops.resolve_impl(kernels, deterministic=deterministic)
         pools, drafts = mtp_draft(params, pools, batch, out[2], tokens,
                                   {**spec_in, "draft_ids": draft_ids}, cfg=cfg,
-                                  num_drafts=num_drafts, impl=ops.resolve_impl(kernels),
-                                  mesh=mesh)
+                                  num_drafts=num_drafts, impl=impl, mesh=mesh)
     if spec_k:
         future = chain_step.outcome(future, tokens, spec_in, draft_ids, drafts)
     else:

@@ -4,11 +4,17 @@ Each request draws with its own key, ``fold_in(key(seed), output_index)``, so a 
 do not depend on which other requests share its batch or on whether the cache served its prompt.
 Penalties and grammar masks (``engine/logit_controls.py``) change the logits a row samples from;
 the logprob returned is the model's own (before them), as vLLM's default reports it.
+
+[deterministic] ``sample(..., fixed_order=True)`` (``model.deterministic``): every row sum of the
+sampler (``log_softmax``, the top-p softmax and its cumulative sum) takes the fixed order of
+``pallas_kernels/fixed_order.py``, so a seeded request samples the same tokens alone or batched.
+The sort, ``argmax`` and the Gumbel draw are exact whatever the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +22,7 @@ import numpy as np
 
 from mambacache.engine.logit_controls import LogitControls, apply_controls
 from mambacache.engine.sampling_params import SamplingParams
-from pallas_kernels.fixed_order import log_softmax, softmax
+from pallas_kernels.fixed_order import log_softmax, prefix_sum, softmax
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -54,42 +60,47 @@ class SamplingBatch:
                    controls=controls)
 
 
-def _sample_row(logits: jax.Array, temp, top_k, top_p, seed, step):
+def _sample_row(logits: jax.Array, temp, top_k, top_p, seed, step, *,
+                fixed_order: bool = False):
     """logits ``[V]`` float32 -> (token int32, logprob float32 of that token, unscaled)."""
-    logprobs = log_softmax(logits)
+    logprobs = log_softmax(logits, fixed_order=fixed_order)
     greedy = jnp.argmax(logits).astype(jnp.int32)
     order = jnp.argsort(-logits)
     sorted_logits = logits[order] / jnp.maximum(temp, 1e-6)
     rank = jnp.arange(logits.shape[0])
     keep = jnp.where(top_k > 0, rank < top_k, True)
-    probs = softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    keep = keep & (jnp.cumsum(probs) - probs < top_p)
+    probs = softmax(jnp.where(keep, sorted_logits, -jnp.inf), fixed_order=fixed_order)
+    keep = keep & (prefix_sum(probs, fixed_order=fixed_order) - probs < top_p)
     key = jax.random.fold_in(jax.random.key(seed), step)
     pick = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
     token = jnp.where(temp > 0, order[pick].astype(jnp.int32), greedy)
     return token, logprobs[token]
 
 
-def _greedy_rows(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _greedy_rows(logits: jax.Array, *, fixed_order: bool = False) -> tuple[jax.Array, jax.Array]:
     """Every row greedy: argmax and its log-probability, no sort of the vocabulary."""
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logprobs = log_softmax(logits)
+    logprobs = log_softmax(logits, fixed_order=fixed_order)
     return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 
-def sample(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, sb: SamplingBatch, *,
+           fixed_order: bool = False) -> tuple[jax.Array, jax.Array]:
     """logits ``[L, V]`` -> tokens int32 ``[L]``, logprobs float32 ``[L]``. A step whose rows
     are all greedy (temperature 0) skips the per-row sort of the vocabulary (``lax.cond`` on
     the device: one program either way); its tokens and logprobs are the same. With
-    ``sb.controls`` the rows sample from the controlled logits; logprobs are the raw logits'."""
+    ``sb.controls`` the rows sample from the controlled logits; logprobs are the raw logits'.
+    ``fixed_order``: the module docstring's [deterministic] note."""
     logits = logits.astype(jnp.float32)
+    row = functools.partial(_sample_row, fixed_order=fixed_order)
+    greedy = functools.partial(_greedy_rows, fixed_order=fixed_order)
 
     def full(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return jax.vmap(_sample_row)(x, sb.temperature, sb.top_k, sb.top_p, sb.seed, sb.step)
+        return jax.vmap(row)(x, sb.temperature, sb.top_k, sb.top_p, sb.seed, sb.step)
 
     if sb.controls is None:
-        return jax.lax.cond(jnp.all(sb.temperature <= 0), _greedy_rows, full, logits)
+        return jax.lax.cond(jnp.all(sb.temperature <= 0), greedy, full, logits)
     controlled = apply_controls(logits, sb.controls)
-    tokens, _ = jax.lax.cond(jnp.all(sb.temperature <= 0), _greedy_rows, full, controlled)
-    raw = jax.nn.log_softmax(logits, axis=-1)
+    tokens, _ = jax.lax.cond(jnp.all(sb.temperature <= 0), greedy, full, controlled)
+    raw = log_softmax(logits, fixed_order=fixed_order)
     return tokens, jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]

@@ -29,6 +29,7 @@ from mambacache.engine.loading import model_dtype
 from mambacache.engine.pools import PoolState
 from mambacache.engine.step_plan import SeqSpec
 from models.model import forward
+from pallas_kernels.fixed_order import log_softmax
 
 MAX_TOP_N = 20  # OpenAI's limit for top_logprobs; computed always, sliced on the host
 MIN_TOKENS_BUCKET = 16
@@ -51,7 +52,9 @@ def tokens_bucket(n: int) -> int:
 def _score_fn(cfg: Any, kernels: str):
     def run(params, pools, batch, targets):
         _, logits = forward(params, pools, batch, cfg=cfg, kernels=kernels)
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        # [deterministic] the same fixed-order sum as the sampler's logprobs
+        logprobs = log_softmax(logits.astype(jnp.float32),
+                               fixed_order=getattr(cfg, "deterministic", False))
         picked = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
         top_lp, top_id = jax.lax.top_k(logprobs, MAX_TOP_N)
         return picked, top_lp, top_id

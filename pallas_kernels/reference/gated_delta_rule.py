@@ -21,11 +21,13 @@ from pallas_kernels._common import (
 )
 
 
-def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:
-    """L2-normalise ``q, k [T, Hk, Dk]`` (q times ``Dk**-0.5``); expand to ``[T, Hv, Dk]`` f32."""
+def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int, *,
+               fixed_order: bool = False) -> tuple[jax.Array, jax.Array]:
+    """L2-normalise ``q, k [T, Hk, Dk]`` (q times ``Dk**-0.5``); expand to ``[T, Hv, Dk]`` f32.
+    ``fixed_order``: the norms' sums in a fixed tree (``model.deterministic``)."""
     group = num_v_heads // q.shape[1]
-    qn = l2norm(q) * (q.shape[-1] ** -0.5)
-    kn = l2norm(k)
+    qn = l2norm(q, fixed_order=fixed_order) * (q.shape[-1] ** -0.5)
+    kn = l2norm(k, fixed_order=fixed_order)
     return jnp.repeat(qn, group, axis=1), jnp.repeat(kn, group, axis=1)
 
 
@@ -43,7 +45,8 @@ def delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: ja
 
 
 def gated_delta_rule_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot,
-                                      write_slot, snap_seq, snap_offset, snap_slot):
+                                      write_slot, snap_seq, snap_offset, snap_slot, *,
+                                      fixed_order: bool = False):
     """Plain-jnp token scan. Shapes as ``ops.gated_delta_rule_extend``; returns ``(o, pool)``.
 
     One ``lax.scan`` over the packed tokens carries the running state, reloaded from the pool at
@@ -51,7 +54,7 @@ def gated_delta_rule_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, re
     """
     num_tokens, num_heads, dv = v.shape
     num_slots = ssm_pool.shape[0]
-    qe, ke = prepare_qk(q, k, num_heads)
+    qe, ke = prepare_qk(q, k, num_heads, fixed_order=fixed_order)
     seq, valid = token_seq_ids(cu_seqlens, num_tokens)
     is_start = jnp.arange(num_tokens) == cu_seqlens[seq]
     init = ssm_pool[read_slot]                                        # [B, Hv, Dk, Dv]
@@ -83,12 +86,13 @@ def gated_delta_rule_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, re
     return o, pool
 
 
-def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot):
+def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *,
+                                      fixed_order: bool = False):
     """One token per sequence. q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``.
 
     Returns ``(o [B, Hv, Dv] in v.dtype, ssm_pool)``; writes to slot 0 are dropped.
     """
-    qe, ke = prepare_qk(q, k, v.shape[1])
+    qe, ke = prepare_qk(q, k, v.shape[1], fixed_order=fixed_order)
     state = ssm_pool[read_slot]
     state, o = delta_step(state, qe, ke, v.astype(jnp.float32), g.astype(jnp.float32),
                           beta.astype(jnp.float32))

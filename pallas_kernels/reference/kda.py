@@ -47,19 +47,22 @@ def check_kda(q, k, v, g, beta, ssm_pool) -> None:
 
 
 def kda_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
-                         snap_seq, snap_offset, snap_slot):
+                         snap_seq, snap_offset, snap_slot, *, fixed_order: bool = False):
     """Token scan. q, k ``[T, H, Dk]`` raw; v ``[T, H, Dv]``; g ``[T, H, Dk]`` f32; beta
     ``[T, H]`` f32. Returns ``(o [T, H, Dv] in v.dtype, ssm_pool)`` with the finals and
     snapshots written (``ops.gated_delta_rule_extend``'s target rules)."""
     check_kda(q, k, v, g, beta, ssm_pool)
     return gated_delta_rule_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot,
-                                             write_slot, snap_seq, snap_offset, snap_slot)
+                                             write_slot, snap_seq, snap_offset, snap_slot,
+                                             fixed_order=fixed_order)
 
 
-def kda_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot):
+def kda_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *,
+                         fixed_order: bool = False):
     """One token per sequence: shapes as the extend with ``T = B``. Returns ``(o, ssm_pool)``."""
     check_kda(q, k, v, g, beta, ssm_pool)
-    return gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot)
+    return gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot,
+                                             fixed_order=fixed_order)
 
 
 def kda_chunk_reference(q, k, v, g, beta, state, *, chunk_size: int = 16):

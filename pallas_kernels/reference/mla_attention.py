@@ -40,9 +40,9 @@ def latent_as_kv(attention: Callable) -> Callable:
 
 
 def mla_attention_reference(q, latent_pages, cu_seqlens, seq_lens, page_table, *,
-                            kv_lora_rank: int, scale: float):
+                            kv_lora_rank: int, scale: float, fixed_order: bool = False):
     """q ``[T, Hq, R + dr]``; latent_pages ``[N, page_size, 1, R + dr]``; page_table ``[B, P]``.
     Returns ``[T, Hq, R]`` in q.dtype: ``softmax(scale q . row) @ row[:R]``, 0 for padding."""
     return latent_as_kv(paged_attention_reference)(q, latent_pages, cu_seqlens, seq_lens,
                                                    page_table, kv_lora_rank=kv_lora_rank,
-                                                   scale=scale)
+                                                   scale=scale, fixed_order=fixed_order)

@@ -33,11 +33,13 @@ def write_kv(k_pages, v_pages, k, v, out_cache_loc):
     return k_pages, v_pages
 
 
-def paged_attention_reference(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale):
+def paged_attention_reference(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale,
+                              fixed_order: bool = False):
     """Plain-jnp form: per query token, gather its sequence's pages and attend (fp32 softmax).
 
     q ``[T, Hq, D]``; pages ``[N, page_size, Hkv, D]``; page_table ``[B, P]``. Returns
-    ``[T, Hq, D]`` in q.dtype, 0 for padding tokens.
+    ``[T, Hq, D]`` in q.dtype, 0 for padding tokens. ``fixed_order``: the softmax's sum in a
+    fixed tree (``model.deterministic``).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
@@ -52,7 +54,7 @@ def paged_attention_reference(q, k_pages, v_pages, cu_seqlens, seq_lens, page_ta
         qg = qt.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
         s = jnp.einsum("hgd,lhd->hgl", qg, kt) * scale
         s = jnp.where(jnp.arange(kt.shape[0]) <= p, s, -jnp.inf)
-        w = softmax(s)
+        w = softmax(s, fixed_order=fixed_order)
         return jnp.einsum("hgl,lhd->hgd", w, vt).reshape(num_q_heads, head_dim)
 
     del page_size
