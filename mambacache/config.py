@@ -18,6 +18,8 @@ KERNELS = ("auto", "pallas", "reference")
 EVICTIONS = ("auto", "lru", "flop_aware")
 SPEC_METHODS = ("none", "ngram", "mtp")
 MAX_DRAFT_TOKENS = 16
+#: most branches of a speculative draft tree (``speculative.topk``)
+MAX_DRAFT_BRANCHES = 8
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -210,13 +212,18 @@ class SpeculativeConfig:
     tries, longest first. Verify steps write the state after each of the k + 1 positions to
     scratch slots outside the cache's (``max_running_requests * (k + 1)`` of them).
     ``adaptive``: a request's next verify proposes at most ``a + 1`` drafts after one that
-    accepted ``a`` (k at most), so drafts that keep missing cost one extra token, not k."""
+    accepted ``a`` (k at most), so drafts that keep missing cost one extra token, not k.
+    ``topk`` (1..``MAX_DRAFT_BRANCHES``): branches of a draft tree, each with its own first
+    draft token and at most k drafts (its depth); 1 is the chain. A tree verifies up to
+    ``topk * (k + 1)`` tokens per request per step, one row per branch, and needs
+    ``cache.page_size`` 1 (``EngineConfig`` checks)."""
 
     method: str = "none"
     num_draft_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
     adaptive: bool = True
+    topk: int = 1
 
     def __post_init__(self):
         _require(self.method in SPEC_METHODS,
@@ -232,6 +239,9 @@ class SpeculativeConfig:
         _require(self.ngram_min <= self.ngram_max,
                  f"speculative.ngram_min ({self.ngram_min}) exceeds speculative.ngram_max "
                  f"({self.ngram_max})")
+        _positive("speculative.topk", self.topk)
+        _require(self.topk <= MAX_DRAFT_BRANCHES,
+                 f"speculative.topk ({self.topk}) exceeds {MAX_DRAFT_BRANCHES}")
 
     @property
     def enabled(self) -> bool:
@@ -292,6 +302,14 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        spec = self.speculative
+        # a tree's accepted branch hands its pages to the request token by token (SGLang has
+        # the same limit for top-k > 1 on hybrids)
+        _require(not spec.enabled or spec.topk == 1 or self.cache.page_size == 1,
+                 f"speculative.topk ({spec.topk}) > 1 needs cache.page_size 1, got "
+                 f"{self.cache.page_size}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:

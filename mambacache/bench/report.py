@@ -38,6 +38,7 @@ ROWS = (
     ("spec_verify_steps", "verify rows (speculative)", "{:d}"),
     ("spec_accept_rate", "draft acceptance rate", "{:.3f}"),
     ("spec_tokens_per_verify", "tokens per verify row", "{:.2f}"),
+    ("spec_verify_width", "tokens verified per verify", "{:.2f}"),
     ("device_idle_share", "no step in flight (share)", "{:.3f}"),
     ("host_bound_share", "steps waiting on the host", "{:.3f}"),
     ("duration_s", "duration (s)", "{:.2f}"),

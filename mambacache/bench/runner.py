@@ -167,7 +167,8 @@ ENGINE_KEYS = ("hit_rate", "prompt_tokens", "cached_tokens", "computed_prefill_t
                "host_share", "num_steps", "preemptions",
                "kv_bytes_per_token", "kv_bytes_per_token_expanded", "spec_verify_steps",
                "spec_draft_tokens", "spec_accepted_tokens", "spec_accept_rate",
-               "spec_tokens_per_verify", "device_idle_share",
+               "spec_tokens_per_verify", "spec_verify_rows", "spec_verify_width",
+               "device_idle_share",
                "host_bound_share")
 
 

@@ -223,6 +223,8 @@ class CacheManager:
             held_slots.append(lease.running_slot)
             held_slots.extend(lease.pending_snapshots.values())
             held_pages.extend(lease.own_page_ids.tolist())
+            for pages in lease.branch_page_ids:  # [speculative tree] between plan and read
+                held_pages.extend(pages.tolist())
             if len(lease.page_ids) * self.page_size < lease.num_computed:
                 raise AssertionError(f"request {req.request_id}: {len(lease.page_ids)} pages "
                                      f"cannot hold {lease.num_computed} computed tokens")

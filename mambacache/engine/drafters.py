@@ -43,8 +43,17 @@ class Drafter:
     def propose_for(self, req: Request, k: int) -> list[int]:
         return self.propose(req.token_ids, k)
 
+    def propose_tree_for(self, req: Request, k: int, topk: int) -> list[list[int]]:
+        """[tree] Up to ``topk`` draft chains of at most ``k`` tokens with distinct first
+        tokens, best first (``engine/spec_tree.py``); by default the chain alone."""
+        drafts = self.propose_for(req, k)
+        return [drafts] if drafts else []
+
     def forget(self, request_id: int) -> None:
         """Nothing kept per request by default."""
+
+    def chose(self, request_id: int, branch: int) -> None:
+        """[tree] The request's tree was read and followed ``branch``: nothing kept here."""
 
 
 class NgramDrafter(Drafter):
@@ -69,6 +78,28 @@ class NgramDrafter(Drafter):
                 return _continue(tokens.tolist(), int(hits[-1]) + n, k)
         return []
 
+    def propose_tree_for(self, req: Request, k: int, topk: int) -> list[list[int]]:
+        """[tree] Continuations after different earlier occurrences of the suffix with distinct
+        next tokens: the longest suffix's occurrences first, latest first, then shorter
+        suffixes'; branch 0 is ``propose``'s chain."""
+        tokens = req.token_ids
+        total, listed = len(tokens), tokens.tolist()
+        if k <= 0:
+            return []
+        cands: list[list[int]] = []
+        seen: set[int] = set()
+        for n in range(min(self.ngram_max, total - 1), self.ngram_min - 1, -1):
+            windows = sliding_window_view(tokens[:total - 1], n)
+            hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
+            for h in hits[::-1].tolist():
+                nxt = listed[h + n]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    cands.append(_continue(listed, h + n, k))
+                    if len(cands) == topk:
+                        return cands
+        return cands
+
 
 def _continue(tokens: list[int], start: int, k: int) -> list[int]:
     """``k`` tokens copied from ``start`` on; a copy running into the end continues from its own
@@ -89,21 +120,40 @@ class MtpDrafter(Drafter):
     """
 
     def __init__(self, cfg: SpeculativeConfig):
-        del cfg  # the step makes ``speculative.num_draft_tokens`` drafts per row
+        self.k = cfg.num_draft_tokens  # the step's drafts per row, then topk - 1 alternatives
         self._drafts: dict[int, list[int]] = {}
+        self._branches: dict[int, dict[int, list[int]]] = {}  # [tree] by request, by branch
 
     def propose_for(self, req: Request, k: int) -> list[int]:
-        return self._drafts.get(req.request_id, [])[:max(k, 0)]
+        return self._drafts.get(req.request_id, [])[:min(max(k, 0), self.k)]
+
+    def propose_tree_for(self, req: Request, k: int, topk: int) -> list[list[int]]:
+        """[tree] The head's greedy chain, then one branch per alternative first draft (the
+        head's top-2..top-``topk`` tokens at the first position; depth 1)."""
+        got = self._drafts.get(req.request_id, [])
+        if k <= 0 or not got:
+            return []
+        return [got[:min(k, self.k)], *([a] for a in got[self.k:self.k + topk - 1])]
 
     def observe(self, scheduled: Sequence[ScheduledSeq], drafts: np.ndarray) -> None:
         """Keep row ``b``'s drafts (``drafts[b]``, int32 ``[k]``) for its request if it sampled
         and still runs ([overlap] a row read after its request finished is dropped)."""
         for b, s in enumerate(scheduled):
             if (s.verifies or s.samples) and s.req.lease.held:
-                self._drafts[s.req.request_id] = drafts[b].tolist()
+                if s.branch:  # [tree] kept aside until the tree is read (``chose``)
+                    self._branches.setdefault(s.req.request_id, {})[s.branch] = drafts[b].tolist()
+                else:
+                    self._drafts[s.req.request_id] = drafts[b].tolist()
+
+    def chose(self, request_id: int, branch: int) -> None:
+        """[tree] The drafts of the branch row the target followed are the request's."""
+        rows = self._branches.pop(request_id, {})
+        if branch:
+            self._drafts[request_id] = rows[branch]
 
     def forget(self, request_id: int) -> None:
         self._drafts.pop(request_id, None)
+        self._branches.pop(request_id, None)
 
 
 def mtp_inputs(scheduled: Sequence[ScheduledSeq], num_tokens: int,

@@ -29,7 +29,7 @@ from mambacache.engine.metrics import EngineMetrics
 from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request, RequestOutput
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
-from mambacache.engine.speculative import num_state_slots, spec_metrics
+from mambacache.engine.speculative import max_rows, num_state_slots, spec_metrics
 from mambacache.engine.step_loop import InFlight, Runner, StepLoop
 from mambacache.engine.thread_guard import owned
 from mambacache.engine.warmup import min_rows
@@ -80,12 +80,14 @@ class Engine:
         self.stats = EngineMetrics()
         # the step loop: overlapped (depth 1) unless off; with speculative decoding only on a
         # runner that shifts chained rows on the device (``spec_k``; not the shadow runner)
-        chains = getattr(self.runner, "spec_k", 0) > 0
-        self.overlap = cfg.scheduler.overlap and (chains or not cfg.speculative.enabled)
+        # and with chains only (draft trees, ``speculative.topk`` > 1, run synchronously)
+        spec = cfg.speculative
+        chains = getattr(self.runner, "spec_k", 0) > 0 and spec.topk == 1
+        self.overlap = cfg.scheduler.overlap and (chains or not spec.enabled)
         self.loop = StepLoop(self, depth=int(self.overlap))
         if cfg.scheduler.overlap and not self.overlap:
-            logging.info("scheduler.overlap with speculative decoding on %s: the synchronous "
-                         "loop runs", type(self.runner).__name__)
+            logging.info("scheduler.overlap with speculative decoding (topk %d) on %s: the "
+                         "synchronous loop runs", spec.topk, type(self.runner).__name__)
         logging.info("engine ready: %s, %d KV pages of %d tokens, %d state slots, cache %s",
                      type(self.runner).__name__, cfg.cache.num_pages, cfg.cache.page_size,
                      cfg.cache.num_mamba_slots, "on" if cfg.cache.enable else "off")
@@ -127,7 +129,7 @@ class Engine:
                                  sharding=self._pool_sharding(), extra_kv_layers=int(mtp))
         self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
                                   page_size=cfg.cache.page_size,
-                                  max_seqs=cfg.scheduler.max_running_requests,
+                                  max_seqs=max_rows(cfg),
                                   num_drafts=cfg.speculative.num_draft_tokens if mtp else 0,
                                   spec_k=cfg.speculative.num_draft_tokens
                                   if cfg.speculative.enabled else 0,

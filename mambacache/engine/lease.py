@@ -5,7 +5,8 @@ slot its first step reads (``read_slot``), its running slot, the slot holding it
 (``state_slot``, valid once a step ran: ``state_valid``), the tree's pages it reuses
 (``cached_page_ids``) and the pages it allocated (``own_page_ids``), the snapshots planned for it
 (``pending_snapshots``: position -> slot) and those a dispatched step writes
-(``snapshots_in_flight``), its speculative scratch lane (``scratch_slots``), how many tokens went
+(``snapshots_in_flight``), its speculative scratch lane (``scratch_slots``) and draft tree
+branches' pages (``branch_page_ids``: between a tree's planning and its read), how many tokens went
 through the model (``num_computed``) and whether its prefill is done (``prefilled``).
 
 Only this module and ``cache_manager.py`` write these fields (``tests/test_lease_ownership.py``
@@ -46,7 +47,7 @@ NO_PAGES.flags.writeable = False
 #: the lease's own fields: no module but ``lease.py`` and ``cache_manager.py`` writes them
 LEASE_FIELDS = ("node", "read_slot", "running_slot", "state_slot", "state_valid", "prefilled",
                 "num_computed", "cached_page_ids", "own_page_ids", "pending_snapshots",
-                "snapshots_in_flight", "scratch_slots")
+                "snapshots_in_flight", "scratch_slots", "branch_page_ids")
 
 
 class TokenSource(Protocol):
@@ -80,6 +81,8 @@ class Lease:
         self.pending_snapshots: dict[int, int] = {}
         self.snapshots_in_flight: set[int] = set()  # positions a dispatched step writes
         self.scratch_slots: tuple[int, ...] = ()  # speculative lane, outside the cache's slots
+        # [speculative tree] pages of branches 1.. of the tree in flight (page size 1)
+        self.branch_page_ids: tuple[np.ndarray, ...] = ()
         # (cached, own, their concatenation) of the last ``page_ids``: page arrays are never
         # written in place, only reassigned, so identity says it is current
         self._page_ids_memo: tuple | None = None
@@ -126,6 +129,13 @@ class Lease:
     def own_slots(self) -> set[int]:
         """Slots this lease may write: running, planned snapshots, scratch lane."""
         return {self.running_slot, *self.pending_snapshots.values(), *self.scratch_slots} - {None}
+
+    def writable_pages(self) -> set[int]:
+        """Pages this lease may write: its own and its draft branches'."""
+        out = set(self.own_page_ids.tolist())
+        for pages in self.branch_page_ids:
+            out.update(pages.tolist())
+        return out
 
     def plans(self, pos: int) -> bool:
         """A snapshot is planned at ``pos``."""
@@ -315,6 +325,43 @@ class Lease:
         lane, self.scratch_slots = self.scratch_slots, ()
         return lane
 
+    def take_branch_pages(self, n: int) -> np.ndarray | None:
+        """[speculative tree, page size 1] ``n`` pages for one more draft branch (its tokens
+        from the request's next position on), or None if fewer are free (drafts do not evict
+        the cache for a branch). Mutates ``branch_page_ids`` and the page
+        allocator."""
+        if self._mgr.cache.pages.num_free < n:
+            return None
+        pages = self._mgr.cache.alloc_pages(n)
+        if pages is None:
+            return None
+        pages = np.asarray(pages, np.int32)
+        self.branch_page_ids = (*self.branch_page_ids, pages)
+        return pages
+
+    def settle_branches(self, start: int, winner: int) -> None:
+        """[speculative tree, page size 1] The tree verified from position ``start`` is read:
+        branch ``winner`` (0: the lease's own pages; ``b`` >= 1: ``branch_page_ids[b - 1]``)
+        holds the accepted tokens' KV. A branch winner's pages take the place of the own pages
+        at ``[start, start + len)``; every page of the other branches (and the replaced ones)
+        is freed. Mutates ``own_page_ids``, ``branch_page_ids`` and the page allocator."""
+        branches, self.branch_page_ids = self.branch_page_ids, ()
+        drop = [p for b, p in enumerate(branches, 1) if b != winner]
+        if winner:
+            pages = branches[winner - 1]
+            own = np.array(self.own_page_ids, np.int32)
+            i = start - len(self.cached_page_ids)
+            if i < 0 or i + len(pages) > len(own):
+                raise AssertionError(f"branch pages for [{start}, {start + len(pages)}) outside "
+                                     f"the own pages [{len(self.cached_page_ids)}, "
+                                     f"{len(self.cached_page_ids) + len(own)})")
+            drop.append(own[i:i + len(pages)].copy())
+            own[i:i + len(pages)] = pages
+            self.own_page_ids = own
+            self._drop_page_buf()
+        if drop:
+            self._mgr.cache.free_pages(np.concatenate(drop))
+
     # ---- after a step ------------------------------------------------------------------------
     def written(self, end: int, state_slot: int, *, prefill_done: bool) -> bool:
         """A dispatched step left the state after ``end`` tokens in ``state_slot``; with
@@ -397,6 +444,7 @@ class Lease:
         be dropped already (``drop_lane``). Unlocks the node; the lease is empty afterwards."""
         if self.scratch_slots:
             raise AssertionError(f"request {src.request_id} released with its lane held")
+        self.settle_branches(0, 0)  # a tree planned, not read (preempted while scheduling)
         snaps = self._take_written(drop_rest=True)
         mgr, n = self._mgr, self.num_computed
         cache = mgr.cache

@@ -189,7 +189,15 @@ class Scheduler:
             # no verify row without speculative decoding: ``verifies`` not asked (per row)
             s.spec = self.speculative.verify_spec(s) if self.speculative is not None \
                 and s.verifies else spec(s)
-        return list(out.values())
+        if self.speculative is None:
+            return list(out.values())
+        rows = []
+        for s in out.values():
+            rows.append(s)
+            for branch in s.branches:  # [speculative tree] a row per branch, after the first
+                branch.spec = self.speculative.verify_spec(branch)
+                rows.append(branch)
+        return rows
 
     def _add_chunk(self, req: Request, budget: int) -> int:
         """Schedule the next prefill chunk of ``req`` within ``budget``; the budget left."""

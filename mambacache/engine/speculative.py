@@ -37,17 +37,29 @@ import numpy as np
 from mambacache.config import EngineConfig
 from mambacache.engine.drafters import make_drafter
 from mambacache.engine.spec_chain import Chain, targets
+from mambacache.engine.spec_tree import pick_branch, row_pages, tree_rows
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
 if TYPE_CHECKING:
     from mambacache.engine.request import Request
 
 
+def lane_width(cfg: EngineConfig) -> int:
+    """Scratch slots of one lane: ``topk * (k + 1)`` (every branch's offsets)."""
+    spec = cfg.speculative
+    return spec.topk * (spec.num_draft_tokens + 1)
+
+
+def max_rows(cfg: EngineConfig) -> int:
+    """Most rows of a step: a request's tree takes one per branch (``topk``)."""
+    spec = cfg.speculative
+    return cfg.scheduler.max_running_requests * (spec.topk if spec.enabled else 1)
+
+
 def num_state_slots(cfg: EngineConfig) -> int:
     """Usable state slots of the pools: the cache's plus the speculative scratch lanes."""
-    spec = cfg.speculative
-    lanes = cfg.scheduler.max_running_requests if spec.enabled else 0
-    return cfg.cache.num_mamba_slots + lanes * (spec.num_draft_tokens + 1)
+    lanes = cfg.scheduler.max_running_requests if cfg.speculative.enabled else 0
+    return cfg.cache.num_mamba_slots + lanes * lane_width(cfg)
 
 
 class SpecDecoder:
@@ -55,6 +67,8 @@ class SpecDecoder:
 
     def __init__(self, cfg: EngineConfig):
         self.k = cfg.speculative.num_draft_tokens
+        self.topk = cfg.speculative.topk
+        self.width = lane_width(cfg)  # scratch slots per lane
         self.adaptive = cfg.speculative.adaptive
         self._budget: dict[int, int] = {}  # request id -> drafts its next verify may propose
         self.drafter = make_drafter(cfg.speculative)
@@ -64,14 +78,15 @@ class SpecDecoder:
         self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
         self.slot_copies: list[tuple[int, int]] = []  # (src scratch, dst running) pending
         self.verify_steps = self.draft_tokens = self.accepted_tokens = self.emitted_tokens = 0
+        self.verify_rows = self.verify_tokens = 0  # rows (tree: one per branch), their tokens
         # [overlap] request id -> (its sampling row in the step dispatched last, row index)
         self.flying: dict[int, tuple[ScheduledSeq, int]] = {}
         self.last_accepted = 0  # drafts the last ``accept`` accepted
 
     # ---- lanes -----------------------------------------------------------------------------
     def _lane_slots(self, lane: int) -> tuple[int, ...]:
-        first = self.scratch_base + lane * (self.k + 1)
-        return tuple(range(first, first + self.k + 1))
+        first = self.scratch_base + lane * self.width
+        return tuple(range(first, first + self.width))
 
     def _take_lane(self, req: Request) -> None:
         if not req.lease.scratch_slots:
@@ -94,7 +109,7 @@ class SpecDecoder:
         if end_snapshot and lease.state_slot in lease.scratch_slots:
             self.slot_copies.append((lease.state_slot, lease.running_slot))
         lane = lease.drop_lane()
-        self._free_lanes.append((lane[0] - self.scratch_base) // (self.k + 1))
+        self._free_lanes.append((lane[0] - self.scratch_base) // self.width)
 
     def reset(self) -> None:
         """The pools are gone (a failed step consumed them): every lane is free again."""
@@ -113,8 +128,16 @@ class SpecDecoder:
         plain decode: no draft, or no room (drafts never preempt: they use pages the request
         can get without it)."""
         remaining = req.params.max_new_tokens - len(req.output_ids)
-        budget = self._budget.get(req.request_id, self.k)
-        drafts = self.drafter.propose_for(req, min(budget, remaining - 1))
+        budget = min(self._budget.get(req.request_id, self.k), remaining - 1)
+        if self.topk > 1:
+            tree = self.drafter.propose_tree_for(req, budget, self.topk)
+            if len(tree) > 1:
+                s = self._plan_tree(req, tree)
+                if s is not None:
+                    return s
+            drafts = tree[0] if tree else []
+        else:
+            drafts = self.drafter.propose_for(req, budget)
         start, lease = req.num_computed, req.lease
         if drafts and self.chain_room:  # [mtp] room for the chained drafts' K/V if free
             lease.grow(start + 1 + len(drafts) + self.k - 1)
@@ -130,6 +153,29 @@ class SpecDecoder:
         s.drafts, s.targets = tuple(drafts), tuple(targets[:m + 1])
         lease.plan_window_snapshots(start + 1, start + m + 2)
         return s
+
+    def _plan_tree(self, req: Request, tree: list[list[int]]) -> ScheduledSeq | None:
+        """The rows of a draft tree (``engine/spec_tree.py``), or None (no room for two full
+        branches: the caller verifies the first as a chain)."""
+        start, lease = req.num_computed, req.lease
+        depth = max(len(d) for d in tree)
+        if any(start < pos <= start + depth + 1 for pos in lease.pending_snapshots):
+            return None  # a snapshot planned in the window: one path writes it
+        if self.chain_room:  # [mtp] room for the chained drafts' K/V if free
+            lease.grow(start + 1 + depth + self.k - 1)
+        if not lease.grow(start + 1 + depth):
+            return None
+        pages = []
+        for drafts in tree[1:]:
+            got = lease.take_branch_pages(len(drafts) + 1)
+            if got is None:
+                break
+            pages.append(got)
+        if not pages:
+            return None
+        self._take_lane(req)
+        pool = [s for s in (lease.running_slot, *lease.scratch_slots) if s != lease.state_slot]
+        return tree_rows(req, start, tree, pool, pages)
 
     def plan_chained(self, req: Request) -> ScheduledSeq | None:
         """[overlap] The row of ``req`` whose previous row (in the step in flight) is not read
@@ -169,7 +215,7 @@ class SpecDecoder:
     def dispatched(self, scheduled: Sequence[ScheduledSeq]) -> None:
         """[overlap] Remember each request's sampling row in the step just dispatched."""
         self.flying = {s.req.request_id: (s, b) for b, s in enumerate(scheduled)
-                       if s.verifies or s.samples}
+                       if (s.verifies or s.samples) and not s.branch}
 
     def resolve(self, req: Request, accepted: int, bonus: int, mtp_drafts: Any) -> None:
         """[overlap] ``req``'s row before its chained one was read (``accepted`` drafts, then
@@ -208,7 +254,7 @@ class SpecDecoder:
         snaps += [(pos - start, slot) for pos, slot in window]
         tokens = np.concatenate([req.token_slice(start, start + 1),
                                  np.asarray(s.drafts, np.int32)])
-        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=req.lease.page_ids,
+        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=row_pages(s),
                        read_slot=req.lease.state_slot, write_slot=s.write_slot, snapshots=snaps,
                        logits="all")
 
@@ -235,10 +281,27 @@ class SpecDecoder:
             if self.adaptive:
                 self._budget[req.request_id] = min(self.k, accepted + 1)
             self.verify_steps += 1
+            self.verify_rows += 1
+            self.verify_tokens += m + 1
             self.draft_tokens += m
             self.accepted_tokens += accepted
             self.emitted_tokens += emitted
         return emitted
+
+    def choose_branch(self, s: ScheduledSeq, tokens: list[np.ndarray]) -> ScheduledSeq:
+        """[tree] The tree of first row ``s`` is read (``tokens[b]``: branch ``b``'s row's
+        tokens): the branch the target follows (``spec_tree.pick_branch``), whose pages and
+        drafter state become the request's; the others' pages are freed. ``accept`` the
+        returned row next."""
+        rows = (s, *s.branches)
+        b = pick_branch([r.drafts for r in rows], tokens)
+        s.req.lease.settle_branches(s.start, b)
+        self.drafter.chose(s.req.request_id, b)
+        others = [r for r in rows if r is not rows[b]]
+        self.verify_rows += len(others)
+        self.verify_tokens += sum(len(r.drafts) + 1 for r in others)
+        self.draft_tokens += sum(len(r.drafts) for r in others)
+        return rows[b]
 
     # ---- observability ---------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -247,11 +310,13 @@ class SpecDecoder:
                 "spec_accepted_tokens": self.accepted_tokens,
                 "spec_accept_rate": self.accepted_tokens / self.draft_tokens
                 if self.draft_tokens else 0.0,
-                "spec_tokens_per_verify": self.emitted_tokens / v if v else 0.0}
+                "spec_tokens_per_verify": self.emitted_tokens / v if v else 0.0,
+                "spec_verify_rows": self.verify_rows,
+                "spec_verify_width": self.verify_tokens / v if v else 0.0}
 
     def check_lanes(self, running: Sequence[Request], tree_slots: set[int]) -> None:
         """Raise if a lane is held twice or lost, or a scratch slot is the tree's."""
-        held = [(r.lease.scratch_slots[0] - self.scratch_base) // (self.k + 1)
+        held = [(r.lease.scratch_slots[0] - self.scratch_base) // self.width
                 for r in running if r.lease.scratch_slots]
         if sorted(held + self._free_lanes) != list(range(self.num_lanes)):
             raise AssertionError(f"scratch lanes held {sorted(held)} + free "
@@ -273,5 +338,6 @@ def spec_metrics(spec: SpecDecoder | None) -> dict[str, Any]:
     """The ``spec_*`` keys of ``Engine.metrics()`` (zeros when speculation is off)."""
     if spec is None:
         return {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                "spec_accept_rate": 0.0, "spec_tokens_per_verify": 0.0}
+                "spec_accept_rate": 0.0, "spec_tokens_per_verify": 0.0,
+                "spec_verify_rows": 0, "spec_verify_width": 0.0}
     return spec.metrics()

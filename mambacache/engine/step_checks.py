@@ -50,9 +50,9 @@ def _check_row(cache: CacheBase, s: ScheduledSeq, page_size: int) -> list[str]:
     pages = spec.written_pages(page_size)
     if pages.size and (cache.pages.status_of(pages) != HELD).any():
         problems.append(f"request {rid} writes pages {pages.tolist()} it does not hold")
-    if not set(pages.tolist()) <= set(lease.own_page_ids.tolist()):
+    if not set(pages.tolist()) <= lease.writable_pages():
         problems.append(f"request {rid} writes pages outside its own "
-                        f"{lease.own_page_ids.tolist()}")
+                        f"{sorted(lease.writable_pages())}")
     read_pages = spec.read_pages(page_size)
     if read_pages.size and (cache.pages.status_of(read_pages) == FREE).any():
         problems.append(f"request {rid} reads FREE pages")

@@ -208,9 +208,12 @@ class StepLoop:
         if self.spec is None:  # no verify row: one token per row (per row of every step)
             self._read_tokens(fl, token_list, logprob_list, now, outs)
             return now - t_wait
+        row_of: dict[int, int] | None = None  # [speculative tree] id(row) -> first logits row
         for i, row in fl.rows:
             s = fl.scheduled[i]
             req = s.req
+            if s.branch:
+                continue  # [speculative tree] a branch row: read with its tree's first row
             if req.status is FINISHED:
                 continue  # finished (stop, abort, error) while this row ran: its token is dropped
             if self.depth:
@@ -219,6 +222,10 @@ class StepLoop:
                 continue  # [overlap] preempted with its verify in flight: recomputed later
             accepted = 0
             if s.verifies:
+                if s.branches:  # [speculative tree] the branch the target followed
+                    if row_of is None:
+                        row_of = {id(fl.scheduled[j]): r for j, r in fl.rows}
+                    s, row = self._choose_branch(s, row_of, tokens)
                 n = len(s.drafts) + 1
                 out = self._accept_verify(s, tokens[row:row + n], logprobs[row:row + n], now)
                 accepted = self.spec.last_accepted
@@ -279,6 +286,16 @@ class StepLoop:
         for j in range(emitted):
             out = self._append(req, int(tokens[j]), float(logprobs[j]), now)
         return out
+
+    def _choose_branch(self, s: ScheduledSeq, row_of: dict[int, int],
+                       tokens: np.ndarray) -> tuple[ScheduledSeq, int]:
+        """[speculative tree] The row of ``s``'s tree the target followed and its first logits
+        row (``SpecDecoder.choose_branch``)."""
+        rows = (s, *s.branches)
+        firsts = [row_of[id(r)] for r in rows]
+        toks = [tokens[f:f + len(r.drafts) + 1] for r, f in zip(rows, firsts, strict=True)]
+        win = self.spec.choose_branch(s, toks)
+        return win, firsts[win.branch]
 
     def _append(self, req: Request, token: int, logprob: float,
                 now: float) -> RequestOutput | None:

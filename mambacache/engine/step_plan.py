@@ -97,6 +97,12 @@ class ScheduledSeq:
     # the host's assumption (every draft of the previous row accepted) until ``resolved``
     chain: Chain | None = None
     resolved: bool = False
+    # [speculative, topk > 1] a draft tree is one row per branch: the first row (``branch`` 0,
+    # the lease's own pages) lists the others in ``branches``; a branch row (``branch`` >= 1)
+    # writes its tokens' KV to ``branch_pages`` (from ``start`` on) and is read with its tree
+    branch: int = 0
+    branches: tuple[ScheduledSeq, ...] = ()
+    branch_pages: np.ndarray | None = None
 
     @property
     def verifies(self) -> bool:

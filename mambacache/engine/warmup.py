@@ -37,11 +37,12 @@ def engine_buckets(cfg: Any, model_cfg: Any, max_seqs: int,
                          f"length {context}]")
     sched = cfg.scheduler
     k = cfg.speculative.num_draft_tokens if cfg.speculative.enabled else 0
+    verify = sched.max_running_requests * (cfg.speculative.topk if k else 1) * (1 + k)
     interval = cfg.cache.checkpoint_interval or sched.chunked_prefill_size
     return Buckets(
         page_size=cfg.cache.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
-        max_step_tokens=sched.chunked_prefill_size + sched.max_running_requests * (1 + k),
-        max_logit_rows=sched.max_running_requests * (1 + k) if k else 0,
+        max_step_tokens=sched.chunked_prefill_size + verify,
+        max_logit_rows=verify if k else 0,
         max_snapshots=2 * max_seqs + sched.chunked_prefill_size // max(interval, 1),
         min_rows=min_rows(cfg))
 

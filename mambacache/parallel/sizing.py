@@ -67,10 +67,11 @@ def largest_step_shapes(cfg: Any, model_cfg: Any) -> dict[str, StepShape]:
     """The engine's widest programs (``warmup.engine_buckets``' program set, pages for the
     model's whole context): the extend step with the most tokens and logits rows, and the
     widest decode step."""
+    from mambacache.engine.speculative import max_rows
     from mambacache.engine.warmup import engine_buckets
 
     programs = engine_buckets(cfg, model_cfg,
-                              bucket(cfg.scheduler.max_running_requests, 1)).program_set()
+                              bucket(max_rows(cfg), 1)).program_set()
     return {
         "prefill": max((s for s in programs if not s.decode),
                        key=lambda s: (s.num_tokens, s.num_logits, s.num_pages_per_seq)),
