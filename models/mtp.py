@@ -89,8 +89,11 @@ def _greedy(g: jax.Array, lm_head: jax.Array) -> jax.Array:
 
 def mtp_draft(params: dict[str, Any], pools: Any, batch: Any, hidden: jax.Array,
               sampled: jax.Array, inputs: dict[str, jax.Array], *, cfg: ModelConfig,
-              num_drafts: int, impl: str, mesh: Mesh | None = None) -> tuple[Any, jax.Array]:
-    """``num_drafts`` greedy MTP drafts per sequence for its next step.
+              num_drafts: int, impl: str, mesh: Mesh | None = None,
+              num_alts: int = 0) -> tuple[Any, jax.Array]:
+    """``num_drafts`` greedy MTP drafts per sequence for its next step, then ``num_alts``
+    alternatives to the first draft (the head's next most likely tokens there, best first;
+    a draft tree's other branches).
 
     ``hidden`` ``[T, H]``: the target's final-normed hidden states (``forward(...,
     return_hidden=True)``); ``sampled`` int32 ``[L]``: this step's tokens per logits row.
@@ -99,7 +102,8 @@ def mtp_draft(params: dict[str, Any], pools: Any, batch: Any, hidden: jax.Array,
     ``next_ids``); ``draft_ids [T]``, in a verify row the draft after the position (-1: none);
     ``first [B]``, the packed index drafting starts from when no draft is accepted (-1: the row
     samples nothing; its drafts are junk and its chain writes go to the dump page).
-    Returns (pools with the MTP layer's K/V written, drafts int32 ``[B, num_drafts]``).
+    Returns (pools with the MTP layer's K/V written, drafts int32
+    ``[B, num_drafts + num_alts]``).
     """
     mtp, embed, lm_head = params["mtp"], params["embed"], params["lm_head"]
     row = inputs["next_row"]
@@ -110,6 +114,7 @@ def mtp_draft(params: dict[str, Any], pools: Any, batch: Any, hidden: jax.Array,
     src = jnp.maximum(first, 0) + accepted_counts(inputs["draft_ids"], nxt, first, num_drafts)
     h = jnp.take(g, src, axis=0)
     d = _greedy(h, lm_head)
+    alts = _alternatives(h, lm_head, d, num_alts)
     base, live, page_size = batch.positions[src], first >= 0, kp.shape[1]
 
     def chain(carry, i):
@@ -122,7 +127,16 @@ def mtp_draft(params: dict[str, Any], pools: Any, batch: Any, hidden: jax.Array,
     (kp, vp, _, _), rest = jax.lax.scan(chain, (kp, vp, h, d),
                                         jnp.arange(1, num_drafts, dtype=jnp.int32))
     pools = pools.replace(k_pages=(*pools.k_pages[:-1], kp), v_pages=(*pools.v_pages[:-1], vp))
-    return pools, jnp.concatenate([d[:, None], rest.T], axis=1)
+    return pools, jnp.concatenate([d[:, None], rest.T, alts], axis=1)
+
+
+def _alternatives(h: jax.Array, lm_head: jax.Array, first: jax.Array, n: int) -> jax.Array:
+    """int32 ``[B, n]``: the ``n`` most likely tokens after ``first`` (the greedy one, masked)."""
+    if not n:
+        return jnp.zeros((h.shape[0], 0), jnp.int32)
+    logits = (h @ lm_head).astype(jnp.float32)
+    logits = logits.at[jnp.arange(h.shape[0]), first].set(-jnp.inf)
+    return jax.lax.top_k(logits, n)[1].astype(jnp.int32)
 
 
 def with_seeded_mtp(cfg: ModelConfig, params: dict[str, Any],

@@ -131,6 +131,7 @@ class Engine:
                                   page_size=cfg.cache.page_size,
                                   max_seqs=max_rows(cfg),
                                   num_drafts=cfg.speculative.num_draft_tokens if mtp else 0,
+                                  num_alts=cfg.speculative.topk - 1 if mtp else 0,
                                   spec_k=cfg.speculative.num_draft_tokens
                                   if cfg.speculative.enabled else 0,
                                   min_rows=min_rows(cfg))

@@ -48,14 +48,16 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
           sb: SamplingBatch, prev_index: jax.Array, spec_in: Any = None, *, cfg: Any,
-          kernels: str, decode: bool, mesh: Any = None, num_drafts: int = 0, spec_k: int = 0):
+          kernels: str, decode: bool, mesh: Any = None, num_drafts: int = 0, spec_k: int = 0,
+          num_alts: int = 0):
     """``future`` int32 ``[F]`` (donated): the previous step's sampled tokens, logits row i at
     i; ``prev_index`` int32 ``[T]``: -1 (the token in ``batch.input_ids`` is known) or the row
     of ``future`` that holds the token [overlap]. Returns the new ``future`` with the pools.
     [speculative] ``spec_k`` > 0: ``future`` is the carry of ``chain_step.empty_carry`` and
     ``spec_in`` the step's ``drafters.mtp_inputs`` + ``spec_chain.chain_inputs`` (chained rows
     are shifted by the previous step's outcome); ``num_drafts`` > 0: the MTP head drafts that
-    many tokens per sequence for the next step (``models/mtp.py``), returned last."""
+    many tokens per sequence for the next step (``models/mtp.py``), returned last, then
+    ``num_alts`` alternatives to the first [speculative tree]."""
     draft_ids = None
     if spec_k:
         batch, sb, draft_ids = chain_step.apply(batch, sb, future, spec_in,
@@ -75,7 +77,8 @@ def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
         impl = ops.resolve_impl(kernels, deterministic=deterministic)
         pools, drafts = mtp_draft(params, pools, batch, out[2], tokens,
                                   {**spec_in, "draft_ids": draft_ids}, cfg=cfg,
-                                  num_drafts=num_drafts, impl=impl, mesh=mesh)
+                                  num_drafts=num_drafts, impl=impl, mesh=mesh,
+                                  num_alts=num_alts)
     if spec_k:
         future = chain_step.outcome(future, tokens, spec_in, draft_ids, drafts)
     else:
@@ -86,41 +89,43 @@ def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
     return pools, future, tokens, logprobs, drafts
 
 
-def jitted_step(cfg: Any, kernels: str, decode: bool, num_drafts: int = 0, spec_k: int = 0):
+def jitted_step(cfg: Any, kernels: str, decode: bool, num_drafts: int = 0, spec_k: int = 0,
+                num_alts: int = 0):
     """One jitted program family per (model config, kernels, decode, kernel family): engines over
     the same model share compiled programs. Pools (argument 1) are donated.
 
     One program per ``buckets.StepShape`` (and pool shapes).
     """
-    return _jitted_step(cfg, kernels, decode, ops.kernel_family(), num_drafts, spec_k)
+    return _jitted_step(cfg, kernels, decode, ops.kernel_family(), num_drafts, spec_k, num_alts)
 
 
 @functools.cache
 def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str, num_drafts: int = 0,
-                 spec_k: int = 0):
+                 spec_k: int = 0, num_alts: int = 0):
     del family  # a cache key only: ``ops`` reads PALLAS_FAMILY when tracing
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode,
-                                     num_drafts=num_drafts, spec_k=spec_k),
+                                     num_drafts=num_drafts, spec_k=spec_k, num_alts=num_alts),
                    donate_argnums=(1, 2))
 
 
 def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                        mesh: Any, num_drafts: int = 0, spec_k: int = 0):
+                        mesh: Any, num_drafts: int = 0, spec_k: int = 0, num_alts: int = 0):
     """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel.mesh``):
     params come placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps,
     tokens and logprobs come back with ``out_sh`` (replicated). The model runs every kernel op
     per device in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
     return _jitted_sharded_step(cfg, kernels, decode, pool_sh, out_sh, mesh, ops.kernel_family(),
-                                num_drafts, spec_k)
+                                num_drafts, spec_k, num_alts)
 
 
 @functools.cache
 def _jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                         mesh: Any, family: str, num_drafts: int = 0, spec_k: int = 0):
+                         mesh: Any, family: str, num_drafts: int = 0, spec_k: int = 0,
+                         num_alts: int = 0):
     del family  # a cache key only, as in ``_jitted_step``
     outs = (pool_sh, out_sh, out_sh, out_sh) + ((out_sh,) if num_drafts else ())
     return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh,
-                                     num_drafts=num_drafts, spec_k=spec_k),
+                                     num_drafts=num_drafts, spec_k=spec_k, num_alts=num_alts),
                    donate_argnums=(1, 2), out_shardings=outs)
 
 
@@ -132,6 +137,7 @@ class ModelRunner:
 
     def __init__(self, model_cfg: Any, params: Any, pools: PoolState, *, kernels: str,
                  page_size: int, max_seqs: int, num_drafts: int = 0, spec_k: int = 0,
+                 num_alts: int = 0,
                  buckets: Buckets | None = None, min_rows: int = 0):
         self.model_cfg = model_cfg
         self.params = params
@@ -152,12 +158,14 @@ class ModelRunner:
         # [speculative] spec_k > 0: the carry of the step's outcome (``spec_chain``), which
         # chained rows (a request's row built before its previous one is read) start from
         self.spec_k = spec_k
-        self.future: Any = (chain_step.empty_carry(self.max_seqs, spec_k, num_drafts) if spec_k
+        width = num_drafts + num_alts  # [mtp] drafts per row, then the alternatives
+        self.future: Any = (chain_step.empty_carry(self.max_seqs, spec_k, width) if spec_k
                             else jnp.zeros(self.max_seqs, jnp.int32))
         # [speculative] MTP drafts per sequence made by each step (0: no MTP head runs)
         self.num_drafts = num_drafts
+        self.num_alts = num_alts  # [speculative tree] the head's alternatives to its first draft
         self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
-        self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts, spec_k)
+        self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts, spec_k, num_alts)
                      for d in (False, True)}
         self.program_keys: set[tuple] = set()  # the step shapes requests ran (StepShape.key)
         self.host_pools: Any = None  # [host tier] engine/host_pools.HostPools, on first use
@@ -186,7 +194,7 @@ class ModelRunner:
 
         self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
                                             replicated(mesh), mesh, self.num_drafts,
-                                            self.spec_k)
+                                            self.spec_k, self.num_alts)
                      for d in (False, True)}
         self.future = jax.device_put(self.future, replicated(mesh))
 

@@ -348,7 +348,7 @@ class StepLoop:
         start empty (no state can outlive its pools)."""
         e = self.engine
         sched = e.scheduler
-        victims = [s.req for s in scheduled]
+        victims = [s.req for s in scheduled if not s.branch]  # [tree] a request's rows once
         lost = e.runner.pools_lost() if lost is None else lost
         if lost:
             victims += [r for r in sched.running if r not in victims]

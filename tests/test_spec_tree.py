@@ -1,0 +1,176 @@
+"""Draft trees (``speculative.topk`` > 1, ``engine/spec_tree.py``): config limits, the drafters'
+branches, the shadow runner's data-flow oracle over every branch row (outputs of
+``method = "none"``, cache on and off, chunk cuts, preemption, failing steps, a planted bug:
+the winner's pages not adopted), and the real tiny model (tokens of ``none`` exactly, logprobs
+within 1e-4, greedy and seeded sampling; the MTP head's top-k)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from shadow_helpers import greedy, shadow_engine
+
+import mambacache as mc
+from mambacache.config import SpeculativeConfig
+from mambacache.engine.drafters import Drafter, NgramDrafter
+from mambacache.engine.lease import Lease
+from mambacache.engine.shadow_runner import DataflowError
+from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+
+VOCAB = 12
+TREE = {"speculative.method": "ngram", "speculative.topk": 4, "cache.page_size": 1}
+
+
+def _shadow(runner: dict | None = None, **overrides):
+    return shadow_engine({"markov": 1, "vocab_size": VOCAB, **(runner or {})},
+                         **{**TREE, **overrides})
+
+
+def _prompts(n: int, length: int = 30, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
+
+
+def _outputs(eng, prompts, n):
+    return [(o.output_token_ids, o.output_logprobs) for o in eng.generate(prompts, greedy(n))]
+
+
+def test_config_limits():
+    cfg = mc.EngineConfig()
+    assert cfg.speculative.topk == 1
+    with pytest.raises(ValueError, match=r"topk \(4\) > 1 needs cache.page_size 1, got 4"):
+        cfg.replace(**{"speculative.method": "ngram", "speculative.topk": 4,
+                       "cache.page_size": 4})
+    with pytest.raises(ValueError, match=r"speculative.topk \(9\) exceeds 8"):
+        cfg.replace(**{"speculative.topk": 9})
+    with pytest.raises(ValueError, match="speculative.topk"):
+        cfg.replace(**{"speculative.topk": 0})
+    cfg.replace(**{"speculative.topk": 4, "cache.page_size": 4})  # speculation off: no limit
+
+
+class _Req:
+    def __init__(self, tokens):
+        self.token_ids, self.request_id = np.asarray(tokens, np.int32), 0
+
+
+def test_ngram_tree_branches():
+    d = NgramDrafter(SpeculativeConfig(method="ngram", ngram_min=1, ngram_max=2))
+    toks = [1, 2, 5, 6, 1, 2, 7, 8, 1, 2, 5, 9, 3, 1, 2]
+    # suffix [1, 2]: latest occurrence first (-> 5 9), then distinct next tokens (-> 7 8);
+    # the first branch is the chain's proposal
+    assert d.propose_tree_for(_Req(toks), 2, 4)[:2] == [[5, 9], [7, 8]]
+    assert d.propose_tree_for(_Req(toks), 2, 4)[0] == d.propose(np.asarray(toks), 2)
+    # then the shorter suffix [2] adds nothing new; [1]... its next is always 2: no branch
+    assert len(d.propose_tree_for(_Req(toks), 2, 4)) == 2
+    assert d.propose_tree_for(_Req(toks), 2, 1) == [[5, 9]]
+    assert d.propose_tree_for(_Req([1, 2, 3]), 2, 4) == []
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_shadow_same_outputs_as_none(cache):
+    prompts = _prompts(6)
+    kw = {"cache.page_size": 1, "cache.enable": cache}
+    ref = _outputs(shadow_engine({"markov": 1, "vocab_size": VOCAB}, **kw), prompts, 40)
+    eng = _shadow(**{"cache.enable": cache})
+    assert _outputs(eng, prompts, 40) == ref
+    m = eng.metrics()
+    assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0, m  # trees ran
+    assert m["spec_tokens_per_verify"] > 1.5, m
+    eng.check_integrity()
+    assert eng.scheduler.speculative.free_lanes() == list(range(8))
+
+
+def test_shadow_chunks_preemption_and_failure():
+    prompts = _prompts(8, length=37, seed=1)
+    kw = {"cache.num_kv_tokens": 100, "cache.num_mamba_slots": 5,
+          "scheduler.chunked_prefill_size": 7, "scheduler.max_running_requests": 6}
+    ref = _outputs(shadow_engine({"markov": 1, "vocab_size": VOCAB}, **kw), prompts, 30)
+    eng = _shadow(**kw)
+    assert _outputs(eng, prompts, 30) == ref
+    m = eng.metrics()
+    assert m["preemptions"] > 0 and m["spec_verify_rows"] > m["spec_verify_steps"], m
+    eng.check_integrity()
+    for lose in (False, True):
+        eng = _shadow(runner={"fail_step": lambda step: step == 9,
+                              "lose_pools_on_failure": lose})
+        outs = eng.generate(prompts, greedy(30))
+        assert any(o.finish_reason == "error" for o in outs)
+        for out in outs:
+            if out.finish_reason == "length":
+                assert out.output_token_ids == eng.runner.expected_output(
+                    out.prompt_token_ids, 30)
+        eng.check_integrity()
+
+
+def test_planted_bug_winner_pages_not_adopted(monkeypatch):
+    """The data-flow oracle catches a winner branch whose KV pages are dropped."""
+    orig = Lease.settle_branches
+    monkeypatch.setattr(Lease, "settle_branches",
+                        lambda self, start, winner: orig(self, start, 0))
+    with pytest.raises(DataflowError):
+        _shadow().generate(_prompts(6), greedy(40))
+
+
+# ---- the real tiny model -----------------------------------------------------------------
+K = 3
+NEW = 12
+
+
+class CheatTree(Drafter):
+    """Three branches with distinct first tokens: the reference continuation (one token in
+    three after the first corrupted) at branch ``n % 3`` (so each branch index wins), the
+    others wrong from their first token."""
+
+    def __init__(self, sequences: list[list[int]], vocab: int):
+        self.sequences, self.vocab = sequences, vocab
+
+    def propose_tree_for(self, req, k: int, topk: int) -> list[list[int]]:
+        tokens = req.token_ids.tolist()
+        n = len(tokens)
+        for seq in self.sequences:
+            if k > 0 and len(seq) > n and seq[:n] == tokens:
+                ref = seq[n:n + k]
+                good = [t if j == 0 or (n + j) % 3 != 1 else (t + 1) % self.vocab
+                        for j, t in enumerate(ref)]
+                bad = [[(ref[0] + i) % self.vocab] + ref[1:] for i in (1, 2)]
+                tree = bad[:n % 3] + [good] + bad[n % 3:]
+                return tree[:topk]
+        return []
+
+    def propose(self, tokens, k):
+        raise AssertionError("a tree drafter's chain is its first branch")
+
+
+def _model_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    shared = rand_tokens(rng, 19)
+    return [shared + rand_tokens(rng, 6), shared + rand_tokens(rng, 11), rand_tokens(rng, 9)]
+
+
+def _params(sampled: bool) -> list[mc.SamplingParams]:
+    if not sampled:
+        return [mc.SamplingParams(max_new_tokens=NEW)] * 3
+    return [mc.SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=50, seed=s)
+            for s in (1, 2, 3)]
+
+
+@pytest.mark.slow  # ~1 min each on 2 busy cores (the page-1 programs compile): -m slow
+@pytest.mark.parametrize("sampled,overrides", [
+    (False, {"scheduler.chunked_prefill_size": 13}),
+    (True, {"cache.num_kv_tokens": 60, "cache.num_mamba_slots": 3}),
+], ids=["greedy-chunk13", "sampled-preempt"])
+def test_model_same_as_none(sampled, overrides):
+    ref = make_engine(**{"cache.enable": False}).generate(_model_prompts(), _params(sampled))
+    eng = make_engine(**{**TREE, "speculative.topk": 3, "speculative.num_draft_tokens": K,
+                         "scheduler.check_integrity_every_step": True, **overrides})
+    eng.scheduler.speculative.drafter = CheatTree(
+        [o.prompt_token_ids + o.output_token_ids for o in ref], eng.model_cfg.vocab_size)
+    assert eng.loop.depth == 0  # trees run synchronously
+    outs = eng.generate(_model_prompts(), _params(sampled))
+    assert_same_outputs(outs, ref, atol=1e-4)
+    m = eng.metrics()
+    assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0, m
+    assert m["spec_tokens_per_verify"] > 1.5, m
+    if "cache.num_kv_tokens" in overrides:
+        assert m["preemptions"] > 0, m
+    eng.check_integrity()
