@@ -69,7 +69,8 @@ MTP = {"speculative.method": "mtp", "speculative.num_draft_tokens": K,
     {"cache.page_size": 4, "scheduler.chunked_prefill_size": 13},
     pytest.param({"cache.page_size": 1, "cache.num_kv_tokens": 60, "cache.num_mamba_slots": 3},
                  marks=pytest.mark.slow),
-], ids=["page4-chunk13", "page1-preempt"])
+    pytest.param({"cache.page_size": 1, "speculative.topk": 4}, marks=pytest.mark.slow),
+], ids=["page4-chunk13", "page1-preempt", "page1-topk4"])
 def test_same_as_none(reference, overrides):
     eng = _engine(**MTP, **overrides)
     outs = eng.generate(_prompts(), mc.SamplingParams(max_new_tokens=NEW))
@@ -77,6 +78,8 @@ def test_same_as_none(reference, overrides):
     m = eng.metrics()
     assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"], m
     assert m["spec_tokens_per_verify"] > 1.5, m
+    if overrides.get("speculative.topk", 1) > 1:  # trees: the head's alternatives were taken
+        assert m["spec_verify_rows"] > m["spec_verify_steps"] and m["spec_branch_wins"] > 0, m
     eng.check_integrity()
 
 

@@ -56,13 +56,13 @@ class _Req:
 def test_ngram_tree_branches():
     d = NgramDrafter(SpeculativeConfig(method="ngram", ngram_min=1, ngram_max=2))
     toks = [1, 2, 5, 6, 1, 2, 7, 8, 1, 2, 5, 9, 3, 1, 2]
-    # suffix [1, 2]: latest occurrence first (-> 5 9), then distinct next tokens (-> 7 8);
-    # the first branch is the chain's proposal
-    assert d.propose_tree_for(_Req(toks), 2, 4)[:2] == [[5, 9], [7, 8]]
+    # suffix [1, 2]: its occurrences latest first, each path once (branches 0 and 2 share
+    # their first token); the first branch is the chain's proposal; the shorter suffix [2]
+    # adds no new path
+    assert d.propose_tree_for(_Req(toks), 2, 4) == [[5, 9], [7, 8], [5, 6]]
     assert d.propose_tree_for(_Req(toks), 2, 4)[0] == d.propose(np.asarray(toks), 2)
-    # then the shorter suffix [2] adds nothing new; [1]... its next is always 2: no branch
-    assert len(d.propose_tree_for(_Req(toks), 2, 4)) == 2
-    assert d.propose_tree_for(_Req(toks), 2, 1) == [[5, 9]]
+    assert d.propose_tree_for(_Req(toks), 2, 2) == [[5, 9], [7, 8]]
+    assert d.propose_tree_for(_Req(toks), 1, 4) == [[5], [7]]  # [5] twice: one path
     assert d.propose_tree_for(_Req([1, 2, 3]), 2, 4) == []
 
 
@@ -75,6 +75,7 @@ def test_shadow_same_outputs_as_none(cache):
     assert _outputs(eng, prompts, 40) == ref
     m = eng.metrics()
     assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0, m  # trees ran
+    assert m["spec_branch_wins"] > 0, m  # and a branch other than the first was taken
     assert m["spec_tokens_per_verify"] > 1.5, m
     eng.check_integrity()
     assert eng.scheduler.speculative.free_lanes() == list(range(8))
@@ -169,7 +170,7 @@ def test_model_same_as_none(sampled, overrides):
     outs = eng.generate(_model_prompts(), _params(sampled))
     assert_same_outputs(outs, ref, atol=1e-4)
     m = eng.metrics()
-    assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0, m
+    assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0 and m["spec_branch_wins"] > 0, m
     assert m["spec_tokens_per_verify"] > 1.5, m
     if "cache.num_kv_tokens" in overrides:
         assert m["preemptions"] > 0, m

@@ -79,23 +79,24 @@ class NgramDrafter(Drafter):
         return []
 
     def propose_tree_for(self, req: Request, k: int, topk: int) -> list[list[int]]:
-        """[tree] Continuations after different earlier occurrences of the suffix with distinct
-        next tokens: the longest suffix's occurrences first, latest first, then shorter
-        suffixes'; branch 0 is ``propose``'s chain."""
+        """[tree] The distinct continuations (``k`` tokens each) after earlier occurrences of
+        the suffix: the longest suffix's occurrences first, latest first, then shorter
+        suffixes'. Branch 0 is ``propose``'s chain; branches share a prefix up to where the
+        occurrences' continuations part."""
         tokens = req.token_ids
         total, listed = len(tokens), tokens.tolist()
         if k <= 0:
             return []
         cands: list[list[int]] = []
-        seen: set[int] = set()
+        seen: set[tuple[int, ...]] = set()
         for n in range(min(self.ngram_max, total - 1), self.ngram_min - 1, -1):
             windows = sliding_window_view(tokens[:total - 1], n)
             hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
             for h in hits[::-1].tolist():
-                nxt = listed[h + n]
-                if nxt not in seen:
-                    seen.add(nxt)
-                    cands.append(_continue(listed, h + n, k))
+                cont = _continue(listed, h + n, k)
+                if tuple(cont) not in seen:
+                    seen.add(tuple(cont))
+                    cands.append(cont)
                     if len(cands) == topk:
                         return cands
         return cands

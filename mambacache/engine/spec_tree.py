@@ -1,9 +1,11 @@
 """[speculative, ``topk`` > 1] Draft trees: one verify row per branch, the winner by slot choice.
 
-A tree is a list of branches, each a draft chain; branches differ in their first draft (the
-drafters propose distinct first tokens), so the tree is a root (the request's last token) with
-up to ``topk`` children, each the head of its own chain. Every branch is verified as a row of
-its own, ``[last token, its drafts]``, the plain verify row of ``engine/speculative.py``:
+A tree is a list of up to ``topk`` branches, each a draft chain of at most ``k`` tokens, all
+distinct paths from the root (the request's last token): ngram branches are the continuations
+of different earlier occurrences of the suffix (they may share a prefix and part later), the
+MTP head's are its greedy chain plus its next most likely first tokens. Every branch is
+verified as a row of its own, ``[last token, its drafts]``, the plain verify row of
+``engine/speculative.py``:
   * all rows read the request's state slot (nobody writes it this step); each writes the state
     after each of its offsets to its own targets, consecutive runs of the lane's pool (running
     slot + scratch lane minus the slot read), so no slot is written twice;
@@ -12,14 +14,15 @@ its own, ``[last token, its drafts]``, the plain verify row of ``engine/speculat
     request's pages below ``start`` only. Page size 1 (``EngineConfig`` checks), so the
     accepted branch's pages take the place of the request's own position by position
     (``Lease.settle_branches``): no KV copy;
-  * the root token is computed once per branch (``topk - 1`` redundant tokens per tree).
+  * the cost: the root token and any prefix branches share are computed once per branch (a
+    tree verifies ``sum(m_b + 1)`` tokens per request: ``spec_verify_width``).
 
 Acceptance (``pick_branch``): each row samples its positions with the request's own key per
-output index, so every row's ``t_0`` is the target's next token; the branch whose first draft
-equals it (at most one: first drafts are distinct) is followed as a chain, the others'
-tokens are dropped. That is the chain's exact rule applied to the path the target takes:
-greedy outputs and seeded samples are those without speculation. No branch matches: branch 0
-emits ``t_0``. The winner's state slot becomes the running state, as for a chain; only
+output index, so along any path every row draws the target's token at that position: the
+branch whose drafts its row accepts furthest is the path the target took (branches that tie
+share that path up to their first rejection, the same tokens), and it is followed exactly as a
+chain is; the other rows' tokens are dropped. Greedy outputs and seeded samples are those
+without speculation. The winner's state slot becomes the running state, as for a chain; only
 verified tokens reach the tree (the request's ``token_ids`` grow by them alone).
 
 Host only (numpy). The step loop runs trees synchronously (``Engine``: no overlap with
@@ -80,17 +83,3 @@ def pick_branch(drafts: Sequence[tuple[int, ...]], tokens: Sequence[np.ndarray])
         if a > best_a:
             best, best_a = b, a
     return best
-
-
-def first_distinct(candidates: Sequence[Sequence[int]], topk: int) -> list[list[int]]:
-    """Up to ``topk`` of ``candidates`` (non-empty draft chains, best first) with distinct
-    first tokens, in order."""
-    out: list[list[int]] = []
-    seen: set[int] = set()
-    for c in candidates:
-        if c and c[0] not in seen:
-            seen.add(c[0])
-            out.append(list(c))
-            if len(out) == topk:
-                break
-    return out

@@ -79,6 +79,7 @@ class SpecDecoder:
         self.slot_copies: list[tuple[int, int]] = []  # (src scratch, dst running) pending
         self.verify_steps = self.draft_tokens = self.accepted_tokens = self.emitted_tokens = 0
         self.verify_rows = self.verify_tokens = 0  # rows (tree: one per branch), their tokens
+        self.branch_wins = 0  # [tree] verifies that followed a branch other than the first
         # [overlap] request id -> (its sampling row in the step dispatched last, row index)
         self.flying: dict[int, tuple[ScheduledSeq, int]] = {}
         self.last_accepted = 0  # drafts the last ``accept`` accepted
@@ -297,6 +298,7 @@ class SpecDecoder:
         b = pick_branch([r.drafts for r in rows], tokens)
         s.req.lease.settle_branches(s.start, b)
         self.drafter.chose(s.req.request_id, b)
+        self.branch_wins += b > 0
         others = [r for r in rows if r is not rows[b]]
         self.verify_rows += len(others)
         self.verify_tokens += sum(len(r.drafts) + 1 for r in others)
@@ -311,7 +313,7 @@ class SpecDecoder:
                 "spec_accept_rate": self.accepted_tokens / self.draft_tokens
                 if self.draft_tokens else 0.0,
                 "spec_tokens_per_verify": self.emitted_tokens / v if v else 0.0,
-                "spec_verify_rows": self.verify_rows,
+                "spec_verify_rows": self.verify_rows, "spec_branch_wins": self.branch_wins,
                 "spec_verify_width": self.verify_tokens / v if v else 0.0}
 
     def check_lanes(self, running: Sequence[Request], tree_slots: set[int]) -> None:
@@ -339,5 +341,5 @@ def spec_metrics(spec: SpecDecoder | None) -> dict[str, Any]:
     if spec is None:
         return {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
                 "spec_accept_rate": 0.0, "spec_tokens_per_verify": 0.0,
-                "spec_verify_rows": 0, "spec_verify_width": 0.0}
+                "spec_verify_rows": 0, "spec_branch_wins": 0, "spec_verify_width": 0.0}
     return spec.metrics()
