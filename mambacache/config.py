@@ -101,6 +101,11 @@ class CacheConfig:
     ``host_memory_bytes`` (0 = off): the host tier (``cache/host_tier.py``), one byte budget in
     host memory for KV pages and states that device eviction demotes into and a match promotes
     back from.
+    ``rebalance`` (needs a byte budget): the device split between KV pages and state slots
+    moves with the workload between a few quantised splits (``cache/rebalance.py``,
+    ``engine/rebalance.py``); ``device_splits`` (derived by ``engine.pools.size_pools``, set
+    to pin them): those splits as ``(pages, slots)`` pairs, ``num_kv_tokens`` /
+    ``num_mamba_slots`` the one the pools start at. Off: the split is fixed at start.
     """
 
     enable: bool = True
@@ -116,11 +121,23 @@ class CacheConfig:
     kv_bytes_per_token: int = 0
     host_memory_bytes: int = 0
     running_share: float = 0.5
+    rebalance: bool = False
+    device_splits: tuple = ()
 
     def __post_init__(self):
         _positive("cache.page_size", self.page_size)
         _require(isinstance(self.running_share, int | float) and 0 < self.running_share <= 1,
                  f"cache.running_share must be in (0, 1], got {self.running_share!r}")
+        _require(isinstance(self.rebalance, bool),
+                 f"cache.rebalance must be a bool, got {self.rebalance!r}")
+        _require(not self.rebalance or self.has_budget,
+                 "cache.rebalance needs a byte budget (cache.memory_bytes or "
+                 "cache.memory_fraction)")
+        splits = tuple(tuple(int(x) for x in pair) for pair in self.device_splits)
+        _require(all(len(p) == 2 and min(p) >= 1 for p in splits),
+                 f"cache.device_splits must be (pages, slots) pairs >= 1, got "
+                 f"{self.device_splits!r}")
+        object.__setattr__(self, "device_splits", splits)
         _require(isinstance(self.speculative_states, bool),
                  f"cache.speculative_states must be a bool, got {self.speculative_states!r}")
         for name in ("memory_bytes", "state_bytes", "kv_bytes_per_token", "host_memory_bytes"):
@@ -164,6 +181,16 @@ class CacheConfig:
     def has_budget(self) -> bool:
         """A byte budget is set (``memory_bytes`` or ``memory_fraction``)."""
         return bool(self.memory_bytes or self.memory_fraction)
+
+    @property
+    def max_pages(self) -> int:
+        """Page ids the cache hands out at most: the largest of ``device_splits``' pages."""
+        return max([self.num_pages] + [p for p, _ in self.device_splits])
+
+    @property
+    def max_slots(self) -> int:
+        """Slot ids the cache hands out at most: the largest of ``device_splits``' slots."""
+        return max([self.num_mamba_slots] + [s for _, s in self.device_splits])
 
     @property
     def num_kv_tokens_set(self) -> bool:

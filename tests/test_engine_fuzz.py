@@ -11,6 +11,8 @@ import pytest
 from shadow_helpers import greedy, shadow_engine
 
 import mambacache as mc
+from mambacache.cache.rebalance import SplitTuner
+from mambacache.engine.rebalance import Rebalancer
 from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.shadow_runner import DataflowError
 
@@ -31,8 +33,23 @@ def _workload(rng: np.random.Generator):
     return reqs
 
 
+def _moving_splits(rng: np.random.Generator, biggest: int, page: int) -> dict:
+    """[rebalance] Three device splits pinned around the workload (pages just above the
+    biggest request, a few slots), so that moves shrink pools under pressure: rows change
+    role (dropped in one split, new zero rows in another) while requests run."""
+    running = int(rng.integers(1, 7))
+    need = -(-biggest // page)
+    splits = sorted({(need + int(rng.integers(0, 12)), 2 * running + int(rng.integers(0, 10)))
+                     for _ in range(3)}, key=lambda ps: ps[1])
+    start = splits[int(rng.integers(len(splits)))]
+    return {"cache.memory_bytes": max(p * page + 4 * s for p, s in splits),
+            "cache.state_bytes": 4, "cache.kv_bytes_per_token": 1, "cache.rebalance": True,
+            "cache.device_splits": tuple(splits), "cache.num_kv_tokens": start[0] * page,
+            "cache.num_mamba_slots": start[1], "scheduler.max_running_requests": running}
+
+
 def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
-            host_tier: bool = False, byte_budget: bool = False):
+            host_tier: bool = False, byte_budget: bool = False, rebalance: bool = False):
     page = int(rng.choice([1, 2, 4]))
     biggest = max(len(p) + n for p, n, _ in reqs)
     kv = (-(-biggest // page) + int(rng.integers(0, 12))) * page
@@ -52,18 +69,20 @@ def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
                 + int(rng.integers(0, kv)), "cache.state_bytes": 4,
                 "cache.kv_bytes_per_token": 1,
                 "cache.running_share": float(rng.choice([0.2, 0.5, 0.8, 1.0]))}
+    params = {"cache.page_size": page, "cache.num_kv_tokens": kv,
+              "cache.num_mamba_slots": int(rng.integers(1, 18)),
+              "cache.checkpoint_interval": int(rng.choice([0, 0, 4, 8])),
+              "cache.enable": bool(rng.random() < 0.85),
+              "scheduler.chunked_prefill_size": int(rng.integers(1, 30)),
+              "scheduler.max_running_requests": int(rng.integers(1, 7))}
+    if rebalance:
+        params.update(_moving_splits(rng, biggest, page))
     return shadow_engine(
         runner_kwargs={"fail_step": lambda step: bool(fail_rng.random() < fail_rate),
                        "lose_pools_on_failure": lose,
                        "fail_read": lambda step: bool(fail_rng.random() < read_rate),
                        "load_latency": latency},
-        **{"scheduler.overlap": overlap}, **tier,
-        **{"cache.page_size": page, "cache.num_kv_tokens": kv,
-           "cache.num_mamba_slots": int(rng.integers(1, 18)),
-           "cache.checkpoint_interval": int(rng.choice([0, 0, 4, 8])),
-           "cache.enable": bool(rng.random() < 0.85),
-           "scheduler.chunked_prefill_size": int(rng.integers(1, 30)),
-           "scheduler.max_running_requests": int(rng.integers(1, 7))})
+        **{"scheduler.overlap": overlap}, **tier, **params)
 
 
 def _params(eng, rng: np.random.Generator, prompt: list[int], n: int) -> mc.SamplingParams:
@@ -75,13 +94,19 @@ def _params(eng, rng: np.random.Generator, prompt: list[int], n: int) -> mc.Samp
 
 
 def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True,
-             host_tier: bool = False, byte_budget: bool = False) -> int:
-    """One random scenario to completion; returns the number of steps. Raises on any bug."""
+             host_tier: bool = False, byte_budget: bool = False,
+             rebalance: bool = False) -> int:
+    """One random scenario to completion; returns the number of steps. Raises on any bug.
+    ``rebalance``: the device split moves (forced at random steps, and by a tuner every few
+    admissions) while requests run."""
     rng = np.random.default_rng(seed)
     reqs = _workload(rng)
     if host_tier:  # twice as many: turns of earlier requests come back from the host
         reqs += _workload(rng)
-    eng = _engine(rng, reqs, fail_rate, overlap, host_tier, byte_budget)
+    eng = _engine(rng, reqs, fail_rate, overlap, host_tier, byte_budget, rebalance)
+    rb = eng.rebalancer
+    if rebalance:
+        rb.use_tuner(SplitTuner(window=4, every=3, margin=0.0, confirm=1))
     if byte_budget:  # count the admissions the running share held back
         LAST["held_back"], holds_back = 0, eng.manager.holds_back
 
@@ -107,6 +132,8 @@ def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True,
             ids[eng.add_request(prompt, params, extra_key=key)] = (prompt, params)
         loads = eng.manager.loads_in_flight()  # [host tier] promotions not landed yet
         LAST["load_steps"] += loads > 0
+        if rb is not None and rb.target is None and rng.random() < 0.1:
+            rb.begin(int(rng.integers(len(rb.splits))) if len(rb.splits) > 1 else rb.current)
         if ids and rng.random() < (0.03 if not loads else 0.2):
             LAST["load_aborts"] += loads > 0
             out = eng.abort(int(rng.choice(list(ids))))
@@ -126,6 +153,7 @@ def _check_outputs(eng, ids, outs, seed: int, steps: int) -> int:
     """Idle: also no leaked page or slot; every completed output is the oracle's."""
     eng.check_integrity()
     LAST["transfers"] = eng.runner.transfers
+    LAST["moves"] = eng.rebalancer.moves if eng.rebalancer is not None else 0
     assert eng.in_flight is None  # idle: nothing left on the device to read
     for out in outs:
         if out.finish_reason in ("length", "stop"):
@@ -171,6 +199,35 @@ def test_fuzz_byte_budget(overlap):
         run_fuzz(seed, overlap=overlap, byte_budget=True)
         held_back += LAST["held_back"]
     assert held_back > 0  # the rule really held requests back
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fuzz_moving_device_split(overlap):
+    """[rebalance] The device split moves while requests run (forced and tuned): rows of a
+    shrunk pool are dropped, a grown pool's rows are new, every read checked by the oracle
+    (a row that changed role read stale fails), integrity after every step, cache on = off."""
+    moves = 0
+    for seed in range(400, 410):
+        run_fuzz(seed, overlap=overlap, rebalance=True)
+        moves += LAST["moves"]
+    assert moves > 15  # the pools really moved
+
+
+def test_fuzz_finds_a_move_that_does_not_wait(monkeypatch):
+    """A planted bug: the pools move while running requests still hold rows past the new
+    split (the drain skipped): the oracle finds a row used past the pools."""
+    def advance(self, warm=False):
+        self.engine.manager.evict_above_limits()
+        self.engine.manager.draining = False
+        self.engine.runner.resize_pools(*self.splits[self.target])
+        self.engine.manager.set_limits(*self.splits[self.target])
+        self.current, self.target = self.target, None
+        return True
+
+    monkeypatch.setattr(Rebalancer, "advance", advance)
+    with pytest.raises(DataflowError):
+        for seed in range(400, 420):
+            run_fuzz(seed, rebalance=True)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -155,6 +155,14 @@ def test_engine_sized_from_memory_bytes_stays_exact_and_within_budget():
     assert engine.cfg.cache.num_kv_tokens == 4096
     pools = engine.runner.pools.nbytes()
     assert pools["full"] + pools["mamba"] == 1_606_400  # reserved rows included
+    # [rebalance] the split derived from the budget alone; the engine runs at a neighbour
+    # (moved before anything compiles: the move with rows in use is the slow test below)
+    moving = {**budget, "cache.num_mamba_slots": 0, "cache.rebalance": True}
+    engine = make_engine(**moving)
+    rb = engine.rebalancer
+    assert len(rb.splits) >= 2 and rb.splits[rb.current] == (engine.cfg.cache.num_pages,
+                                                            engine.cfg.cache.num_mamba_slots)
+    rb.move_now((rb.current + 1) % len(rb.splits))
     rng = np.random.default_rng(0)
     head = rand_tokens(rng, 40)
     prompts = [head + rand_tokens(rng, 5) for _ in range(4)]
@@ -162,15 +170,69 @@ def test_engine_sized_from_memory_bytes_stays_exact_and_within_budget():
     outs = engine.generate(prompts, params) + engine.generate(prompts, params)
     # the cache-off engine runs the same two 4-prompt batches: no 8-row step to compile
     # (75 s against 94 s back to back at load 25; the rest is the on engine's compiles)
-    off_engine = make_engine(**budget, **{"cache.enable": False})
+    # at the same split: the same pool shapes, so it reuses the on engine's programs
+    off_engine = make_engine(**moving, **{"cache.enable": False})
+    off_engine.rebalancer.move_now(rb.current)
     off = off_engine.generate(prompts, params) + off_engine.generate(prompts, params)
     assert_same_outputs(outs, off)
     m = engine.metrics()
     assert m["cached_tokens"] > 0 and m["memory_bytes"] == 1_606_400
     assert 0 < m["peak_bytes_held"] <= 1_606_400
+    assert m["pool_bytes"] <= 1_606_400 and m["split_moves"] == 1  # reserved rows included
     engine.check_integrity()
     with pytest.raises(ValueError, match="cannot hold one request of the context"):
         make_engine(**{**budget, "cache.memory_bytes": 1_000_000})
+
+
+@pytest.mark.slow
+def test_engine_split_moved_between_batches_stays_exact():
+    """[rebalance] The device split moves between two batches with rows in the tree: the
+    second batch hits rows the move copied; cache on = off; the pools stay within the budget.
+    ``python -m pytest -m slow tests/test_memory_budget.py -k moved`` (about 75 s: every
+    program compiles again for the moved pools)."""
+    import mambacache as mc
+    from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+
+    budget = {"cache.num_kv_tokens": 0, "cache.num_mamba_slots": 0,
+              "cache.memory_bytes": 1_606_400}
+    engine = make_engine(**budget, **{"cache.rebalance": True})
+    rb = engine.rebalancer
+    rng = np.random.default_rng(0)
+    head = rand_tokens(rng, 40)
+    prompts = [head + rand_tokens(rng, 5) for _ in range(4)]
+    params = mc.SamplingParams(max_new_tokens=4, temperature=0.0)
+    outs = engine.generate(prompts, params)
+    before = engine.metrics()["cached_tokens"]
+    target = (rb.current + 1) % len(rb.splits)
+    rb.move_now(target)
+    assert (engine.pools.num_pages - 1, engine.pools.num_slots - 1) == rb.splits[target]
+    outs += engine.generate(prompts, params)
+    assert engine.metrics()["cached_tokens"] - before >= 4 * 40  # hits after the move
+    off_engine = make_engine(**budget, **{"cache.enable": False})
+    off = off_engine.generate(prompts, params) + off_engine.generate(prompts, params)
+    assert_same_outputs(outs, off)
+    m = engine.metrics()
+    assert m["pool_bytes"] <= 1_606_400 and m["split_moves"] == 1
+    engine.check_integrity()
+
+
+def test_layerwise_resize_keeps_rows_and_zeroes_new_ones():
+    """[rebalance] ``resize_layerwise``: KV shrinks and states grow, one layer at a time; kept
+    rows copied, new rows zero, dtypes kept."""
+    import jax.numpy as jnp
+
+    from mambacache.engine.pools import PoolState, pool_fields, resize_layerwise
+    from models.presets import get_preset
+
+    pools = PoolState.create(get_preset("tiny_qwen3_next"), 16, 2, 4)
+    pools = pools.replace(ssm=tuple(a.at[3].set(1.5) for a in pools.ssm),
+                          k_pages=tuple(a.at[9].set(2.0).at[15].set(3.0) for a in pools.k_pages))
+    moved = resize_layerwise(pool_fields(pools), 10, 6)
+    assert (moved.num_pages, moved.num_slots) == (11, 7)
+    assert float(moved.k_pages[0][9].min()) == 2.0 and float(moved.ssm[-1][3].min()) == 1.5
+    assert float(jnp.abs(moved.ssm[0][5:]).max()) == 0 and moved.ssm[0].dtype == jnp.float32
+    back = resize_layerwise(pool_fields(moved), 16, 4)  # page 15 was dropped: zero again
+    assert float(jnp.abs(back.k_pages[0][15]).max()) == 0 and back.num_slots == 5
 
 
 def test_pool_resize_keeps_rows_and_zeroes_new_ones():

@@ -11,6 +11,13 @@ page, state slot 0 the zero state). Every id is in exactly one of three states, 
   for ids held by running requests without the engine passing them in;
 * ``TREE``: owned by the radix tree (``adopt`` moves HELD -> TREE, ``release`` TREE -> FREE).
 
+An id limit (``set_limit``, the device split moving: ``engine/rebalance.py``): ids above
+``limit`` are never handed out. A FREE id above it leaves the free list (``FENCED``); a HELD or
+TREE id above it stays as it is until it is given back, then it is FENCED instead of FREE.
+``in_use_above_limit()`` counts those, so a shrink knows when no id above the new rows is in use.
+Raising the limit returns FENCED ids to the free list. Without a limit below ``num_ids`` the
+give-back paths cost one comparison more.
+
 Misuse raises ``ValueError``: an id outside ``1..num_ids`` (foreign), a double free (id already
 FREE), freeing a tree-owned id through the request path, or duplicate ids in one call.
 ``alloc`` never raises on a short pool: it returns ``None`` (back-pressure).
@@ -20,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-FREE, HELD, TREE, RESERVED, FOREIGN = 0, 1, 2, 3, 4
+FREE, HELD, TREE, RESERVED, FOREIGN, FENCED = 0, 1, 2, 3, 4, 5
 _STATE_NAMES = {FREE: "free", HELD: "held by a request", TREE: "owned by the tree",
-                RESERVED: "reserved", FOREIGN: "foreign"}
+                RESERVED: "reserved", FOREIGN: "foreign", FENCED: "above the id limit"}
 _BYTE = {k: bytes([k]) for k in _STATE_NAMES}
 _INT32 = np.dtype(np.int32)  # compared by identity (cheaper than dtype ==)
 # dtype objects, not types: ``astype(np.intp)`` resolves the type on every call (~0.2 us)
@@ -53,6 +60,8 @@ class IdAllocator:
         self._arange = np.arange(self.num_ids + 1, dtype=np.int32)
         self._num_held = 0
         self._num_tree = 0
+        self.limit = self.num_ids  # ids above it are never handed out (``set_limit``)
+        self._num_fenced = 0
 
     # ----------------------------------------------------------------------------- counts
     @property
@@ -66,6 +75,37 @@ class IdAllocator:
     @property
     def num_tree(self) -> int:
         return self._num_tree
+
+    @property
+    def num_fenced(self) -> int:
+        """Ids above the limit that are not in use (off the free list)."""
+        return self._num_fenced
+
+    @property
+    def num_usable(self) -> int:
+        """Ids that are free, held or in the tree: ``num_ids - num_fenced``."""
+        return self.num_ids - self._num_fenced
+
+    def in_use_above_limit(self) -> int:
+        """Ids above ``limit`` still held by a request or owned by the tree."""
+        return self.num_ids - self.limit - self._num_fenced
+
+    def set_limit(self, limit: int) -> None:
+        """Hand out ids ``1..limit`` only from now on (module docstring): FREE ids above it
+        leave the free list, FENCED ids at or below it return to it."""
+        if not isinstance(limit, int | np.integer) or not 1 <= limit <= self.num_ids:
+            raise ValueError(f"{self.name} limit must be in [1, {self.num_ids}], got {limit!r}")
+        limit = int(limit)
+        free = self._stack[:self._top]
+        keep = free[free <= limit]
+        self._status[free[free > limit].astype(_INTP)] = FENCED
+        back = np.flatnonzero(self._status[1:limit + 1] == FENCED).astype(np.int32) + 1
+        self._status[back.astype(_INTP)] = FREE
+        stack = np.concatenate([back[::-1], keep])  # low ids stay on top
+        self._stack[:len(stack)] = stack
+        self._top = len(stack)
+        self.limit = limit
+        self._num_fenced = int(np.count_nonzero(self._status[:self.num_ids + 1] == FENCED))
 
     def held_ids(self) -> np.ndarray:
         """``int32[k]``: the ids currently handed out to requests, sorted."""
@@ -184,10 +224,14 @@ class IdAllocator:
 
     def release_one(self, i: int) -> None:
         """``release_trusted`` of a single id (a state slot on eviction)."""
+        self._num_tree -= 1
+        if i > self.limit:
+            self._status_bytes[i] = FENCED
+            self._num_fenced += 1
+            return
         self._status_bytes[i] = FREE
         self._stack[self._top] = i
         self._top += 1
-        self._num_tree -= 1
 
     def _raise_status(self, arr: np.ndarray, status: np.ndarray, expected: int, verb: str):
         i = int(np.flatnonzero(status != expected)[0])
@@ -211,6 +255,8 @@ class IdAllocator:
         self._num_tree -= n
 
     def _push(self, ids: np.ndarray) -> None:
+        if self.limit < self.num_ids:  # ids above the limit are fenced, not freed
+            ids = self._fence(ids)
         n, top = len(ids), self._top
         if n <= _SMALL:  # item assignment beats a numpy slice call for a few ids
             stack = self._stack
@@ -220,10 +266,20 @@ class IdAllocator:
             self._stack[top:top + n] = ids
         self._top = top + n
 
+    def _fence(self, ids) -> np.ndarray:
+        """``ids`` at or below the limit; those above it become FENCED."""
+        arr = np.asarray(ids, np.int32)
+        high = arr > self.limit
+        if not high.any():
+            return arr
+        self._status[arr[high].astype(_INTP)] = FENCED
+        self._num_fenced += int(high.sum())
+        return arr[~high]
+
     def check(self) -> None:
         """Audit the free list against the status array; ``AssertionError`` on any mismatch."""
         free_ids = self._stack[:self._top]
-        counts = np.bincount(self._status[:self.num_ids + 1], minlength=5)
+        counts = np.bincount(self._status[:self.num_ids + 1], minlength=6)
         if len(np.unique(free_ids)) != len(free_ids):
             raise AssertionError(f"{self.name} free list holds duplicate ids")
         if len(free_ids) and not (self._status[free_ids] == FREE).all():
@@ -240,8 +296,14 @@ class IdAllocator:
         if counts[RESERVED] != 1 or self._status[0] != RESERVED or counts[FOREIGN] or (
                 self._status[self.num_ids + 1:] != FOREIGN).any():
             raise AssertionError(f"{self.name}: id 0 must be the only reserved id")
-        if self._top + self._num_held + self._num_tree != self.num_ids:
+        if counts[FENCED] != self._num_fenced or (
+                self._status[1:self.limit + 1] == FENCED).any() or (
+                self._status[self.limit + 1:self.num_ids + 1] == FREE).any():
+            raise AssertionError(f"{self.name}: {counts[FENCED]} ids FENCED (counter "
+                                 f"{self._num_fenced}); only ids above the limit {self.limit} "
+                                 "may be, and none of those FREE")
+        if self._top + self._num_held + self._num_tree + self._num_fenced != self.num_ids:
             raise AssertionError(
                 f"{self.name}: free {self._top} + held {self._num_held} + tree {self._num_tree} "
-                f"!= total {self.num_ids}"
+                f"+ fenced {self._num_fenced} != total {self.num_ids}"
             )

@@ -54,6 +54,8 @@ class CacheBase:
     speculative_states = True
     # the host tier behind this cache (``cache/host_tier.py``; set by ``HostTier``), or None
     host_tier: Any = None
+    # [rebalance] ``cache/rebalance.SplitTuner`` fed by matches and inserts, or None
+    split_tuner: Any = None
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int = 1,
                  budget: ByteBudget | None = None):
@@ -73,11 +75,11 @@ class CacheBase:
     # --------------------------------------------------------------------------- bytes
     def kv_bytes_held(self) -> int:
         """Bytes of the KV pages in use (held by requests or in the tree); 0 without a budget."""
-        return (self.pages.num_ids - self.pages.num_free) * self.budget.page_bytes \
+        return (self.pages.num_usable - self.pages.num_free) * self.budget.page_bytes \
             if self.budget is not None else 0
 
     def state_bytes_held(self) -> int:
-        return (self.slots.num_ids - self.slots.num_free) * self.budget.slot_bytes \
+        return (self.slots.num_usable - self.slots.num_free) * self.budget.slot_bytes \
             if self.budget is not None else 0
 
     def free_bytes(self) -> int:
@@ -169,6 +171,10 @@ class CacheBase:
         returns the bytes freed. Only caches with a tree evict."""
         return 0
 
+    def evict_above(self, page_limit: int, slot_limit: int) -> None:
+        """Drop unlocked tree entries holding a page above ``page_limit`` or a slot above
+        ``slot_limit`` (the device split moving); only caches with a tree hold any."""
+
     def free_pages(self, ids) -> None:
         self.pages.free(ids)
 
@@ -219,7 +225,7 @@ class CacheBase:
             ("pages", self.pages, self.evictable_pages(), self.locked_pages()),
             ("slots", self.slots, self.evictable_slots(), self.locked_slots()),
         ):
-            out[f"{name}_total"] = alloc.num_ids
+            out[f"{name}_total"] = alloc.num_usable  # ids above a limit, not in use: none
             out[f"{name}_free"] = alloc.num_free
             out[f"{name}_evictable"] = evictable
             out[f"{name}_protected"] = locked + alloc.num_held

@@ -306,6 +306,32 @@ class TreeEviction:
                 break
         return self.free_bytes() - start
 
+    def evict_above(self, page_limit: int, slot_limit: int) -> None:
+        """Drop every unlocked entry holding a slot above ``slot_limit`` (its state) or a page
+        above ``page_limit`` (the node's whole subtree, whose prefix needs that KV; unlocked
+        when the node is): the ids a shrinking device pool loses (``engine/rebalance.py``).
+        Locked entries stay; their requests unlock them."""
+        for node in [n for n in self.lru_state if n.slot > slot_limit and not n.mamba_lock_ref]:
+            if not node.alive or node.slot is None:
+                continue
+            if node.children:
+                self._drop_state(node, demote=False)
+            else:
+                self._remove_leaf(node)
+        doomed = [n for n in self.lru_all if not n.full_lock_ref and len(n.pages)
+                  and int(n.pages.max()) > page_limit]
+        for top in doomed:
+            if not top.alive:
+                continue
+            order, todo = [], [top]  # post-order: children before their parent
+            while todo:
+                node = todo.pop()
+                order.append(node)
+                todo.extend(node.children.values())
+            for node in reversed(order):
+                if node.alive and not node.children:
+                    self._remove_leaf(node)
+
     def _evict_speculative(self, num: int) -> int:
         """Free up to ``num`` slots from unlocked speculative states, oldest first; returns the
         slots freed (removing a leaf may drop a speculative parent's state too)."""

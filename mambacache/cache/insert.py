@@ -44,6 +44,8 @@ class TreeInsert:
                              f"{ps}, got page_ids of shape {pages.shape}")
         if self._tuner is not None and extra_key is None:
             self._tuner.record_insert(tokens)
+        if self.split_tuner is not None and extra_key is None:  # [rebalance]
+            self.split_tuner.record_insert(tokens)
         root = self.roots.get(extra_key)
         if root is None:
             root = self.roots[extra_key] = make_root(extra_key)

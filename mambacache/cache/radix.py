@@ -205,6 +205,8 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         tokens = as_tokens(prompt_ids)
         if self._tuner is not None and extra_key is None and self._tuner.record_match(tokens):
             self.policy.set_alpha(self._tuner.tune(self))
+        if self.split_tuner is not None and extra_key is None:  # [rebalance]
+            self.split_tuner.record_match(tokens)
         root = self.roots.get(extra_key)
         if root is None or len(tokens) == 0:
             return MatchResult(0, _EMPTY, None, root or self.roots[None], 0)
@@ -326,7 +328,8 @@ def make_cache_from_config(cache_cfg: Any, **policy_kwargs: Any) -> CacheBase:
     tier behind it when ``host_memory_bytes`` is set: ``cache/host_tier.py``)."""
     from mambacache.cache.host_tier import attach_host_tier
 
-    cache = make_cache(cache_cfg.enable, cache_cfg.num_pages, cache_cfg.num_mamba_slots,
+    cache = make_cache(cache_cfg.enable, getattr(cache_cfg, "max_pages", cache_cfg.num_pages),
+                       getattr(cache_cfg, "max_slots", cache_cfg.num_mamba_slots),
                        cache_cfg.page_size, cache_cfg.eviction,
                        speculative_states=getattr(cache_cfg, "speculative_states", True),
                        budget=config_budget(cache_cfg), **policy_kwargs)

@@ -32,30 +32,23 @@ from mambacache.cache.replay import replay
 GRID = (0.0, 0.25, 1.0, 4.0)
 
 
-class AlphaTuner:
-    """Request log + periodic grid search; see the module docstring."""
+class RequestLog:
+    """The last ``window`` finished requests ``(prompt, tokens at finish)`` and the requests in
+    flight at each admission; ``record_match`` says when ``every`` admissions have passed. The
+    shadow replays of the alpha tuner and of the device split (``rebalance.py``) read it."""
 
-    def __init__(self, grid: tuple[float, ...] = GRID, window: int = 256, every: int = 512,
-                 margin: float = 0.02, start: float | None = None, confirm: int = 1):
-        if not grid or any(a < 0 for a in grid) or window < 2 or every < 1:
-            raise ValueError(f"alpha tuning needs a non-empty grid of alphas >= 0, window >= 2 "
-                             f"and every >= 1, got {grid}, {window}, {every}")
-        self.grid = tuple(sorted(grid))
-        self.window, self.every, self.margin = window, every, margin
-        self.confirm = max(1, confirm)
-        self._last, self._wins = None, 0  # the last tuning's winner, its wins in a row
+    def __init__(self, window: int = 256, every: int = 512):
+        if window < 2 or every < 1:
+            raise ValueError(f"a request log needs window >= 2 and every >= 1, got {window}, "
+                             f"{every}")
+        self.window, self.every = window, every
         self.requests: deque = deque(maxlen=window)  # (prompt, tokens at finish)
         self.pending: deque = deque(maxlen=64)  # prompts matched, not finished yet
         self.inflight: deque = deque(maxlen=window)  # requests in flight at each match
         self.matches = 0
-        self.alpha = self.grid[0] if start is None else start
-        if self.alpha not in self.grid:
-            raise ValueError(f"alpha tuning starts from an alpha of its grid {self.grid}, "
-                             f"got {start}")
-        self.history: list[tuple[int, float, list[int]]] = []  # (matches, alpha, hits per alpha)
 
     def record_match(self, prompt: np.ndarray) -> bool:
-        """A request was admitted with ``prompt``; True when it is time to ``tune``. A prompt
+        """A request was admitted with ``prompt``; True when it is time to tune. A prompt
         matched again before it finished (an admission that found the pools short, or held
         back by the budget's admission cap, retries every step) counts once."""
         pend = self.pending
@@ -82,6 +75,26 @@ class AlphaTuner:
         """Requests in flight the shadows replay with: the median at the recent matches."""
         return max(1, int(np.median(self.inflight))) if self.inflight else 1
 
+
+class AlphaTuner(RequestLog):
+    """Request log + periodic grid search; see the module docstring."""
+
+    def __init__(self, grid: tuple[float, ...] = GRID, window: int = 256, every: int = 512,
+                 margin: float = 0.02, start: float | None = None, confirm: int = 1):
+        if not grid or any(a < 0 for a in grid) or window < 2 or every < 1:
+            raise ValueError(f"alpha tuning needs a non-empty grid of alphas >= 0, window >= 2 "
+                             f"and every >= 1, got {grid}, {window}, {every}")
+        super().__init__(window, every)
+        self.grid = tuple(sorted(grid))
+        self.margin = margin
+        self.confirm = max(1, confirm)
+        self._last, self._wins = None, 0  # the last tuning's winner, its wins in a row
+        self.alpha = self.grid[0] if start is None else start
+        if self.alpha not in self.grid:
+            raise ValueError(f"alpha tuning starts from an alpha of its grid {self.grid}, "
+                             f"got {start}")
+        self.history: list[tuple[int, float, list[int]]] = []  # (matches, alpha, hits per alpha)
+
     def tune(self, cache: Any) -> float:
         """Replay the window once per alpha of the grid (``concurrency()`` in flight); the best
         alpha is adopted once it has won ``confirm`` tunings in a row by more than ``margin``
@@ -102,14 +115,20 @@ class AlphaTuner:
 
 
 def _replay(cache: Any, requests: list, scored_from: int, alpha: float,
-            concurrency: int = 1) -> int:
+            concurrency: int = 1, num_pages: int | None = None,
+            num_slots: int | None = None) -> int:
     """Prompt tokens hit by a shadow of ``cache`` over ``requests[scored_from:]`` with
     ``alpha``, after ``requests[:scored_from]`` warmed it up; ``concurrency`` requests in flight,
-    snapshots planned by the shadow itself."""
-    shadow = type(cache)(cache.pages.num_ids, cache.slots.num_ids, cache.page_size,
-                         "flop_aware", speculative_states=cache.speculative_states,
-                         alpha=alpha, budget=getattr(cache, "budget", None),
-                         state_bytes_in_tokens=cache.policy.state_tokens,
-                         attn_quadratic_tokens=cache.policy.attn_tokens)
+    snapshots planned by the shadow itself. Pools: ``num_pages`` / ``num_slots`` ids, else the
+    cache's own (its id limits: ``IdAllocator.set_limit``)."""
+    policy = cache.policy
+    budget = getattr(cache, "budget", None)
+    state_tokens = getattr(policy, "state_tokens", None) or (
+        budget.slot_bytes * cache.page_size / budget.page_bytes if budget else 256.0)
+    shadow = type(cache)(num_pages or cache.pages.limit, num_slots or cache.slots.limit,
+                         cache.page_size, "flop_aware",
+                         speculative_states=cache.speculative_states, alpha=alpha,
+                         budget=budget, state_bytes_in_tokens=state_tokens,
+                         attn_quadratic_tokens=getattr(policy, "attn_tokens", 8192.0))
     return replay(shadow, requests, concurrency=concurrency,
                   scored_from=scored_from)["cached_tokens"]

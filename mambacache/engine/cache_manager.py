@@ -43,10 +43,19 @@ class CacheManager:
         # later), or None (a promotion is complete once issued)
         self._transfer = transfer
         self._loads = loads
+        # [rebalance] the device pools' rows: ids above them are never handed out, and a match
+        # that reaches one (a shrink waiting for it) counts as a miss (``set_limits``)
+        self.limits: tuple[int, int] | None = \
+            (cfg.num_pages, cfg.num_mamba_slots) if cfg.device_splits else None
+        self.draining = False
+        self.split_tuner = None  # [rebalance] fed by every cache this manager makes
         self.cache: CacheBase = self._make_cache()  # speculative states too
         self.page_size = cfg.page_size
-        # tokens the whole KV pool holds (one request can never use more)
-        self.kv_capacity_tokens = self.cache.pages.num_ids * cfg.page_size
+        # tokens the whole KV pool holds (one request can never use more; with moving splits,
+        # the smallest split's)
+        pages = min(p for p, _ in cfg.device_splits) if cfg.device_splits \
+            else self.cache.pages.num_ids
+        self.kv_capacity_tokens = pages * cfg.page_size
         self.enable = cfg.enable
         self.checkpoint_interval = cfg.checkpoint_interval
         # a decode ending on a page boundary keeps its state as a snapshot
@@ -63,6 +72,10 @@ class CacheManager:
 
     def _make_cache(self) -> CacheBase:
         cache = make_cache_from_config(self._cfg)
+        if self.limits is not None:
+            cache.pages.set_limit(self.limits[0])
+            cache.slots.set_limit(self.limits[1])
+        cache.split_tuner = self.split_tuner
         tier = cache.host_tier
         if tier is not None and self._transfer is not None:
             tier.on_transfer = functools.partial(self._transfer, in_use=tier.in_use)
@@ -174,10 +187,42 @@ class CacheManager:
                    for r in running)
         return not b.admits(held, b.request_bytes(self.pages_for(num_tokens) - len(m.page_ids)))
 
+    # ---- [rebalance] id limits -----------------------------------------------------------------
+    def set_limits(self, num_pages: int, num_slots: int) -> None:
+        """Hand out page ids ``1..num_pages`` and slot ids ``1..num_slots`` only (the device
+        pools' rows; ``IdAllocator.set_limit``). A limit below ids in use makes a drain: their
+        unlocked tree entries go with ``evict_above``, and until none is in use a match that
+        reaches one is a miss (no new lock holds them)."""
+        self.limits = (num_pages, num_slots)
+        self.cache.pages.set_limit(num_pages)
+        self.cache.slots.set_limit(num_slots)
+        self.draining = self.in_use_above_limits() > 0
+
+    def use_split_tuner(self, tuner) -> None:
+        """Feed ``tuner`` (``cache/rebalance.SplitTuner``) every match and insert."""
+        self.split_tuner = self.cache.split_tuner = tuner
+
+    def in_use_above_limits(self) -> int:
+        """Page and slot ids above the limits still held by a request or the tree."""
+        c = self.cache
+        return c.pages.in_use_above_limit() + c.slots.in_use_above_limit()
+
+    def evict_above_limits(self) -> int:
+        """Drop the unlocked tree entries above the limits; the ids still in use above them."""
+        if self.limits is not None:
+            self.cache.evict_above(*self.limits)
+        self.draining = self.in_use_above_limits() > 0
+        return self.in_use_above_limits()
+
     # ---- lookups -----------------------------------------------------------------------------
     def match(self, tokens: np.ndarray, extra_key: str | None) -> MatchResult:
-        """The longest cached prefix of ``tokens`` with a state (no mutation but recency)."""
-        return self.cache.match_prefix(tokens, extra_key=extra_key)
+        """The longest cached prefix of ``tokens`` with a state (no mutation but recency);
+        [rebalance] while a shrink drains, a match holding an id above the limits is a miss."""
+        m = self.cache.match_prefix(tokens, extra_key=extra_key)
+        if self.draining and m.cached_len and (
+                int(m.page_ids.max()) > self.limits[0] or (m.read_slot or 0) > self.limits[1]):
+            return self.empty_match(m)
+        return m
 
     @staticmethod
     def empty_match(m: MatchResult) -> MatchResult:

@@ -75,6 +75,11 @@ class Engine:
                                     loads=self.runner if hasattr(self.runner, "finish_load")
                                     else None)
         self.scheduler = Scheduler(cfg, self.manager)
+        self.rebalancer = None  # [rebalance] the device split moving between steps
+        if cfg.cache.rebalance and cfg.cache.device_splits:
+            from mambacache.engine.rebalance import Rebalancer
+
+            self.rebalancer = Rebalancer(self)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineMetrics()
@@ -222,6 +227,8 @@ class Engine:
         """Schedule, run and account one step (``engine/step_loop.py``); the requests that
         finished in it. [overlap] Dispatches step N+1, then reads step N: the finished requests
         are those whose tokens were read in this call."""
+        if self.rebalancer is not None:  # [rebalance] between steps: drain, move the pools
+            self.rebalancer.poll()
         return self.loop.step()
 
     @owned
@@ -267,7 +274,10 @@ class Engine:
     # ---- observability ---------------------------------------------------------------------
     @owned
     def metrics(self) -> dict[str, Any]:
-        return {**self.stats.as_dict(self), **spec_metrics(self.scheduler.speculative)}
+        out = {**self.stats.as_dict(self), **spec_metrics(self.scheduler.speculative)}
+        if self.rebalancer is not None:
+            out.update(self.rebalancer.metrics())
+        return out
 
     @owned
     def check_integrity(self) -> None:

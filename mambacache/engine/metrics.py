@@ -55,8 +55,8 @@ class EngineMetrics:
             self.decode_program_steps += program
         c = engine.cache  # protected share of each pool (cache.stats()'s usage, without a dict)
         pages, slots = c.pages, c.slots
-        tokens = (c.locked_pages() + pages.num_held) / pages.num_ids
-        states = (c.locked_slots() + slots.num_held) / slots.num_ids
+        tokens = (c.locked_pages() + pages.num_held) / pages.num_usable
+        states = (c.locked_slots() + slots.num_held) / slots.num_usable
         if tokens > self.peak_token_usage:
             self.peak_token_usage = tokens
         if states > self.peak_mamba_usage:
@@ -103,6 +103,11 @@ class EngineMetrics:
             running_requests=len(engine.scheduler.running),
             waiting_requests=len(engine.scheduler.waiting), **kv_bytes_per_token(engine),
             **engine.cache.budget_stats())  # [issue 25] the byte budget, bytes held, peaks
+        pools = getattr(engine.runner, "pools", None)
+        if pools is not None:  # [issue 25] the device pools' bytes, reserved rows included
+            nbytes = pools.nbytes()
+            out.update(pool_kv_bytes=nbytes["full"], pool_state_bytes=nbytes["mamba"],
+                       pool_bytes=nbytes["full"] + nbytes["mamba"])
         tier = engine.cache.host_tier
         if tier is not None:  # [host tier] hits, bytes moved, load wait, host pool usage
             out.update(tier.stats())

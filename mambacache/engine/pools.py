@@ -11,6 +11,7 @@ Reserved ids (host allocators never hand them out):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +118,48 @@ class PoolState:
         return {"full": int(full), "mamba": int(mamba)}
 
 
+# ------------------------------------------------------------------------------- moving
+_POOL_FIELDS = ("k_pages", "v_pages", "conv", "ssm")
+
+
+def resize_layerwise(fields: dict[str, list], num_pages: int, num_slots: int) -> PoolState:
+    """The pools of ``fields`` (``{field: [array per layer]}``, taken from a ``PoolState``
+    the caller no longer holds) with ``num_pages`` pages and ``num_slots`` slots (reserved
+    rows apart), resized one layer at a time, the shrinking pool's layers first: each old
+    array is dropped as its new one is made, so the peak is the pools plus one layer's new
+    array. Rows ``[0, min(old, new))`` copied, new rows zero (FREE ids: written before read).
+    One small program per (array shape, rows), compiled by the engine's warm-up."""
+    if num_pages < 1 or num_slots < 1:
+        raise ValueError(f"resize needs >= 1 page and slot, got {num_pages}, {num_slots}")
+    rows = {"k_pages": num_pages + 1, "v_pages": num_pages + 1, "conv": num_slots + 1,
+            "ssm": num_slots + 1}
+
+    def grows(f: str) -> bool:
+        return bool(fields[f]) and rows[f] > fields[f][0].shape[0]
+
+    for f in sorted(_POOL_FIELDS, key=grows):  # shrinking (and unchanged) fields first
+        arrays = fields[f]
+        for i in range(len(arrays)):
+            if arrays[i].shape[0] != rows[f]:
+                arrays[i] = _resize_fn(rows[f])(arrays[i])  # the old array's last reference
+    return PoolState(**{f: tuple(fields[f]) for f in _POOL_FIELDS})
+
+
+def _resize_rows(a: jax.Array, *, rows: int) -> jax.Array:
+    keep = min(rows, a.shape[0])
+    return jnp.zeros((rows, *a.shape[1:]), a.dtype).at[:keep].set(a[:keep])
+
+
+@functools.cache
+def _resize_fn(rows: int):
+    return jax.jit(functools.partial(_resize_rows, rows=rows))
+
+
+def pool_fields(pools: PoolState) -> dict[str, list]:
+    """``{field: [array per layer]}`` of ``pools`` (for ``resize_layerwise``)."""
+    return {f: list(getattr(pools, f)) for f in _POOL_FIELDS}
+
+
 # ------------------------------------------------------------------------------- sizing
 def model_byte_sizes(cfg: Any, model_cfg: Any) -> tuple[int, int]:
     """``(state_bytes, kv_bytes_per_token)`` for ``cfg`` (an ``EngineConfig``): the cache
@@ -147,12 +190,14 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
     (``cache/budget.py``: ``plan_pools``) and the byte sizes filled in; unchanged without a
     budget. ``memory_bytes``: the budget when the config gives a fraction (measured on the
     device: ``parallel.sizing.device_cache_budget``). ``physical``: pools that are device
-    arrays (the model runner). They are not rebalanced between steps yet, so a shared budget
-    is split there at ``device_state_share`` of the bytes for states (a state with the KV of
-    ``DEVICE_TOKENS_PER_STATE`` tokens; at least two slots per running request; never beyond
-    the budget);
-    the host-only runners (shadow, simulator) share it. ``device_sizes``: ``(state_bytes,
-    kv_bytes_per_token)`` per device as the mesh lays the pools out (tensor parallelism shards
+    arrays (the model runner): a shared budget is split there at ``device_state_share`` of
+    the bytes for states (a state with the KV of ``DEVICE_TOKENS_PER_STATE`` tokens; at least
+    two slots per running request; never beyond the budget); the host-only runners (shadow,
+    simulator) share it. ``cache.rebalance``: split as the device's pools are, on any runner,
+    and ``cache.device_splits`` set (``cache/rebalance.py``: the formula's split and its
+    neighbours; the pools start at the formula's and move: ``engine/rebalance.py``).
+    ``device_sizes``: ``(state_bytes, kv_bytes_per_token)`` per device as the mesh lays the
+    pools out (tensor parallelism shards
     them: ``parallel.sizing.unit_bytes``); the budget is per device."""
     from mambacache.cache.budget import device_state_share, plan_pools
 
@@ -162,6 +207,7 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
         # no budget, or sized already (a config this function returned): the pools it names
         page, state = cc.kv_bytes_per_token * cc.page_size or 1, cc.state_bytes or 1
         return cfg, plan_pools(cc, page, state, context_len=1, max_running=1, memory_bytes=0)
+    physical = physical or cc.rebalance  # a moving split is a split of device-like pools
     limit = memory_bytes if memory_bytes is not None else cc.memory_bytes
     if not limit:
         raise ValueError(f"cache.memory_fraction ({cc.memory_fraction}) needs the device's "
@@ -184,8 +230,16 @@ def size_pools(cfg: Any, model_cfg: Any, *, memory_bytes: int | None = None,
                       memory_bytes=usable, state_share=share)
     logging.info("cache pools from the byte budget (%d bytes per device): %s", limit,
                  plan.describe())
+    splits: tuple = ()
+    if cc.rebalance and not (cc.num_kv_tokens_set or cc.num_mamba_slots_set):
+        from mambacache.cache.rebalance import device_splits
+
+        splits, _ = device_splits(usable, kv * cc.page_size, state, share,
+                                  min_pages=-(-ctx // cc.page_size), min_slots=2 * running)
+        logging.info("device splits (pages, slots) the pools move between: %s", splits)
     sized = cfg.replace(**{"cache.memory_bytes": int(limit), "cache.memory_fraction": 0.0,
                            "cache.state_bytes": state, "cache.kv_bytes_per_token": kv,
                            "cache.num_kv_tokens": plan.num_pages * cc.page_size,
-                           "cache.num_mamba_slots": plan.num_slots})
+                           "cache.num_mamba_slots": plan.num_slots,
+                           "cache.device_splits": splits})
     return sized, plan

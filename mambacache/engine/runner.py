@@ -32,7 +32,7 @@ from mambacache.engine.buckets import (
 from mambacache.engine.compiles import CompileCounter
 from mambacache.engine.drafters import mtp_inputs
 from mambacache.engine.logit_controls import controls_for
-from mambacache.engine.pools import PoolState
+from mambacache.engine.pools import PoolState, pool_fields, resize_layerwise
 from mambacache.engine.sampling import SamplingBatch, sample
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, logit_rows
 from models.model import forward as model_forward
@@ -332,6 +332,15 @@ class ModelRunner:
         with self.warm_compiles.track():
             self.pools = warm(self.pools, max_pages)
         self._host_pools().max_batch_pages = max_pages
+
+    def resize_pools(self, num_pages: int, num_slots: int, *, warm: bool = False) -> None:
+        """[rebalance] Pools of ``num_pages`` pages and ``num_slots`` slots from now on, one
+        layer at a time (``pools.resize_layerwise``), ordered after every dispatched step by
+        the pools' data dependency. ``warm``: the warm-up's (compiles counted there)."""
+        fields = pool_fields(self.pools)
+        self.pools = None  # the old arrays go as their new ones are made
+        with (self.warm_compiles if warm else self.compiles).track():
+            self.pools = resize_layerwise(fields, num_pages, num_slots)
 
     def pools_lost(self) -> bool:
         """True if a failed step consumed the donated pools (they must be rebuilt)."""

@@ -188,6 +188,8 @@ class ShadowRunner(ShadowTier):
         if hazards:
             raise DataflowError(f"step {step}: " + "; ".join(hazards))
         keys = [self._row_keys(s) for s in scheduled]
+        for s in scheduled:
+            self._check_rows(s)
         for s, k in zip(scheduled, keys, strict=True):
             self._check_reads(s, k)
         for s, k in zip(scheduled, keys, strict=True):
@@ -202,6 +204,16 @@ class ShadowRunner(ShadowTier):
         pos = np.arange(lo, hi)
         pages = np.asarray(spec.page_ids, np.int64)[pos // self.page_size]
         return pages * self.page_size + pos % self.page_size
+
+    def _check_rows(self, s: ScheduledSeq) -> None:
+        """Every page and slot of the row exists in the pools (a moved split drops rows)."""
+        spec = s.spec
+        pages, slots = len(self.kv_len) // self.page_size, len(self.slot_len)
+        slot_ids = [spec.read_slot, spec.write_slot] + [sl for _, sl in spec.snapshots]
+        if (len(spec.page_ids) and max(spec.page_ids) >= pages) or max(slot_ids) >= slots:
+            raise DataflowError(f"request {s.req.request_id} uses a page or slot past the pools' "
+                                f"rows ({pages} pages, {slots} slots): pages "
+                                f"{np.asarray(spec.page_ids)[-4:].tolist()}, slots {slot_ids}")
 
     def _check_reads(self, s: ScheduledSeq, keys: np.ndarray) -> None:
         spec, rid = s.spec, s.req.request_id
@@ -279,6 +291,21 @@ class ShadowRunner(ShadowTier):
         self._lost = False
         self.host_kv, self.host_slot = {}, {}  # [host tier] the cache starts empty too
         self._loads = {}
+
+    def resize_pools(self, num_pages: int, num_slots: int, *, warm: bool = False) -> None:
+        """[rebalance] ``ModelRunner.resize_pools``: rows past a shrink are forgotten, new rows
+        hold nothing (length 0), so a read of a row that changed role before it was written
+        again fails as any stale read."""
+        def rows(a: np.ndarray, n: int) -> np.ndarray:
+            out = np.zeros(n, a.dtype)
+            out[:min(n, len(a))] = a[:n]
+            return out
+
+        ps = self.page_size
+        self.kv_len = rows(self.kv_len, (num_pages + 1) * ps)
+        self.kv_key = rows(self.kv_key, (num_pages + 1) * ps)
+        self.slot_len = rows(self.slot_len, num_slots + 1)
+        self.slot_key = rows(self.slot_key, num_slots + 1)
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """``ModelRunner.copy_slots``: the state at ``dst`` becomes the one at ``src``."""

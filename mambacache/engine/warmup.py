@@ -81,6 +81,7 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     for shape in shapes:
         runner.warm(shape)
+    splits = _warm_splits(engine, shapes)
     if engine.cfg.speculative.enabled:
         runner.copy_slots([])  # the scratch end-state copy: slot 0 onto itself
     if engine.cache.host_tier is not None:  # [host tier] its copies, up to a whole sequence
@@ -90,7 +91,25 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
     out.update(programs=len(shapes), compiles=compiles - before[0],
                compile_s=compile_s - before[1], seconds=time.perf_counter() - t0,
                decode_programs=decode, extend_programs=len(shapes) - decode,
-               max_seq_len=buckets.max_seq_len)
+               max_seq_len=buckets.max_seq_len, device_splits=splits)
     logging.info("warm-up: %d step programs (%d compiled) in %.1f s", len(shapes),
                  out["compiles"], out["seconds"])
     return out
+
+
+def _warm_splits(engine: Any, shapes: list) -> int:
+    """[rebalance] Move the pools along every split (``Rebalancer.walk``) and compile the
+    program set at each, the moves' resize programs included; returns the splits warmed.
+    Tree entries above a split's rows are evicted on the way (the cache is usually empty at
+    warm-up; otherwise it keeps what fits the smallest split)."""
+    rb = engine.rebalancer
+    if rb is None:
+        return 1
+    warmed = {rb.current}
+    for k in rb.walk():
+        rb.move_now(k, warm=True)
+        if k not in warmed:
+            warmed.add(k)
+            for shape in shapes:
+                engine.runner.warm(shape)
+    return len(warmed)
