@@ -3,6 +3,8 @@ states evicted in one order), superseded end states demoted, ``eviction = "auto"
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -272,3 +274,41 @@ def test_device_split_follows_the_state_size_and_keeps_running_slots():
     running = cfg.scheduler.max_running_requests
     assert sized.cache.num_mamba_slots == plan.num_slots >= 2 * running  # 0.1 alone gives 11
     assert plan.pool_bytes <= 2_000_000
+
+
+BENCH_PRESETS = sorted(p.name for p in Path(__file__).parent.parent.glob("configs/bench/*.toml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", BENCH_PRESETS)
+def test_bench_preset_under_memory_bytes_alone(preset):
+    """Every benchmark preset with only ``cache.memory_bytes`` (the bytes its two explicit pools
+    took): the engine sizes itself, its first requests give the same outputs with the cache on
+    and off, and ``metrics()`` shows the pools' bytes within the budget.
+    ``python -m pytest -m slow tests/test_memory_budget.py -k preset_under``."""
+    import mambacache as mc
+    from mambacache.bench.cli import load_setup
+    from mambacache.engine.engine import Engine
+    from mambacache.engine.pools import model_byte_sizes
+    from mambacache.engine.speculative import num_state_slots
+    from models.presets import get_preset
+    from tests.engine_helpers import assert_same_outputs
+
+    setup = load_setup(str(Path(__file__).parent.parent / "configs/bench" / preset))
+    cc, model_cfg = setup.engine.cache, get_preset(setup.engine.model.preset)
+    state, kv = model_byte_sizes(setup.engine, model_cfg)
+    limit = (cc.num_pages + 1) * kv * cc.page_size + (num_state_slots(setup.engine) + 1) * state
+    cfg = setup.engine.replace(**{"cache.memory_bytes": limit, "cache.num_kv_tokens": 0,
+                                  "cache.num_mamba_slots": 0, "model.kernels": "reference"})
+    items = setup.workload.source(model_cfg.vocab_size, 0).start()[:6]
+    prompts = [it.prompt for it in items]
+    params = [mc.SamplingParams(max_new_tokens=min(it.max_new_tokens, 4), temperature=0.0)
+              for it in items]
+    outs = {}
+    for on in (True, False):
+        engine = Engine(cfg.replace(**{"cache.enable": on}))
+        outs[on] = engine.generate(prompts, params) + engine.generate(prompts, params)
+        m = engine.metrics()
+        assert m["pool_bytes"] <= limit, (preset, m["pool_bytes"], limit)
+        engine.check_integrity()
+    assert_same_outputs(outs[True], outs[False])

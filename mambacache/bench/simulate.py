@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,13 +102,17 @@ def _engine_config(cfg: CacheConfig | EngineConfig, concurrency: int,
 
 
 def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConfig,
-             concurrency: int = 1, check_integrity: bool = False) -> dict[str, Any]:
+             concurrency: int = 1, check_integrity: bool = False,
+             on_engine: Callable[[Engine], None] | None = None) -> dict[str, Any]:
     """Replay ``requests`` through the engine's own scheduler and cache on the shadow runner
     (every read checked against the prefix it needs); returns the result dict.
 
     ``cfg``: the cache section alone, or a whole ``EngineConfig`` (its ``[scheduler]`` section
     then sets the chunk size). ``concurrency`` is ``scheduler.max_running_requests``; all
-    requests are queued at once and admitted in order.
+    requests are queued at once and admitted in order. ``on_engine``: called with the engine
+    before the first request (a script's hook: a tuner to use, a split to start at).
+    [rebalance] ``cache.rebalance``: the device split moves; ``split_moves`` and
+    ``device_split`` (the split at the end, as ``(pages, slots)``) in the result.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -121,6 +126,8 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
         ecfg, vocab_size=vocab,
         outputs=lambda rid, step: outputs[rid][step] if step < len(outputs[rid]) else None)
     engine = Engine(ecfg, runner=runner)
+    if on_engine is not None:
+        on_engine(engine)
     dropped = 0
     for r in requests:
         params = SamplingParams(max_new_tokens=max(len(r["output"]), 1), ignore_eos=True)
@@ -154,7 +161,17 @@ def simulate(requests: list[dict[str, list[int]]], cfg: CacheConfig | EngineConf
         "peak_token_usage": m["peak_token_usage"],
         "peak_mamba_usage": m["peak_mamba_usage"],
         **{k: m[k] for k in HOST_KEYS if k in m},  # [host tier] cache.host_memory_bytes
+        **_split_keys(engine),  # [rebalance]
     }
+
+
+def _split_keys(engine: Engine) -> dict[str, Any]:
+    rb = engine.rebalancer
+    if rb is None:
+        return {}
+    return {"split_moves": rb.moves, "device_split": list(rb.splits[rb.current]),
+            "device_splits": [list(s) for s in rb.splits],
+            "split_history": [[a, b] for a, b, _ in rb.history]}
 
 
 #: the host tier's result keys (``cache/host_tier.py``), with ``cache.host_memory_bytes``

@@ -28,9 +28,10 @@ from mambacache.cache.tuning import RequestLog, _replay
 REBALANCE_STEP = 0.15
 #: neighbours on each side of the formula's split
 REBALANCE_NEIGHBOURS = 1
-#: the tuner's cadence: every 256 admissions on the last 128 finished requests (as the alpha
-#: tuner with a byte budget); a neighbour must win by 2 % of the hits twice in a row
-SPLIT_TUNE_EVERY, SPLIT_TUNE_WINDOW, SPLIT_TUNE_MARGIN, SPLIT_TUNE_CONFIRM = 256, 128, 0.02, 2
+#: the tuner's cadence: every 64 admissions on the last 128 finished requests (3 shadow
+#: replays of 128 requests: 6 replayed requests per admission, paid only with rebalancing on);
+#: a neighbour must win by 2 % of the hits twice in a row, so a move needs 128 admissions
+SPLIT_TUNE_EVERY, SPLIT_TUNE_WINDOW, SPLIT_TUNE_MARGIN, SPLIT_TUNE_CONFIRM = 64, 128, 0.02, 2
 
 
 def device_splits(usable_bytes: int, page_bytes: int, slot_bytes: int, share: float, *,

@@ -104,8 +104,8 @@ class EngineMetrics:
             waiting_requests=len(engine.scheduler.waiting), **kv_bytes_per_token(engine),
             **engine.cache.budget_stats())  # [issue 25] the byte budget, bytes held, peaks
         pools = getattr(engine.runner, "pools", None)
-        if pools is not None:  # [issue 25] the device pools' bytes, reserved rows included
-            nbytes = pools.nbytes()
+        if pools is not None:  # [issue 25] the pools' bytes per device, reserved rows included
+            nbytes = pools.device_nbytes()
             out.update(pool_kv_bytes=nbytes["full"], pool_state_bytes=nbytes["mamba"],
                        pool_bytes=nbytes["full"] + nbytes["mamba"])
         tier = engine.cache.host_tier

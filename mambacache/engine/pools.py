@@ -111,6 +111,13 @@ class PoolState:
                          v_pages=rows(self.v_pages, num_pages + 1),
                          conv=rows(self.conv, num_slots + 1), ssm=rows(self.ssm, num_slots + 1))
 
+    def device_nbytes(self) -> dict[str, int]:
+        """``nbytes`` on one device (a tensor-parallel pool's shard: the budget is per device)."""
+        def one(arrays: tuple) -> int:
+            return sum(int(a.addressable_shards[0].data.nbytes) for a in arrays)
+
+        return {"full": one(self.k_pages + self.v_pages), "mamba": one(self.conv + self.ssm)}
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held by the KV pages (``full``) and by the state slots (``mamba``)."""
         full = sum(a.nbytes for a in self.k_pages + self.v_pages)
