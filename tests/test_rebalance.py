@@ -80,3 +80,34 @@ def test_split_tuner_moves_toward_the_pool_whose_evictions_cost_hits():
     hits = tuner.history[-1][2]
     assert hits[1] > 2 * hits[0]
     assert tuner.tune(cache, splits, 1) == 1  # at the better split: stay
+
+
+def test_rows_dropped_by_a_move_and_grown_back_are_rewritten_before_they_are_read():
+    """The role-change case on the shadow runner (every read checked against its prefix): slot
+    and page rows above the small split hold states and KV, the split shrinks (their entries
+    evicted, the rows forgotten), grows back (new rows hold nothing), and requests use those
+    ids again: outputs are the oracle's, rows past the small split hold new prefixes."""
+    from shadow_helpers import greedy, shadow_engine
+
+    eng = shadow_engine(**{"cache.memory_bytes": 40 * 4 + 40 * 1, "cache.state_bytes": 4,
+                           "cache.kv_bytes_per_token": 1, "cache.rebalance": True,
+                           "cache.device_splits": ((160, 6), (80, 26)),
+                           "cache.num_kv_tokens": 80, "cache.num_mamba_slots": 26,
+                           "scheduler.max_running_requests": 2})
+    rb, runner = eng.rebalancer, eng.runner
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 900, 20).tolist() for _ in range(12)]
+    outs = eng.generate(prompts[:6], greedy(3))
+    assert (runner.slot_len[7:] > 0).any()  # states past the small split's slots
+    rb.move_now(0)  # slots 7.. dropped, pages up to 160
+    assert len(runner.slot_len) == 7 and eng.cache.slots.in_use_above_limit() == 0
+    outs += eng.generate(prompts[6:], greedy(3))
+    assert (runner.kv_len[81:] > 0).any()  # KV in rows that were past the other split
+    rb.move_now(1)  # pages 81.. dropped, slots 7.. back as zeros
+    assert not runner.slot_len[7:].any()
+    outs += eng.generate(prompts, greedy(3))
+    assert (runner.slot_len[7:] > 0).any()  # rewritten, then read by the checks
+    for out, prompt in zip(outs, prompts + prompts, strict=True):
+        assert out.output_token_ids == runner.expected_output(prompt, 3)
+    assert eng.metrics()["split_moves"] == 2
+    eng.check_integrity()
