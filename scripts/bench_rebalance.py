@@ -75,8 +75,9 @@ def device_cost() -> dict[str, Any]:
     rb = engine.rebalancer
     warm = engine.warmup(max_seq_len=128)
     rng = np.random.default_rng(0)
-    head = rng.integers(0, 1000, 40).tolist()
-    prompts = [head + rng.integers(0, 1000, 5).tolist() for _ in range(4)]
+    vocab = engine.model_cfg.vocab_size
+    head = rng.integers(0, vocab, 40).tolist()
+    prompts = [head + rng.integers(0, vocab, 5).tolist() for _ in range(4)]
     params = mc.SamplingParams(max_new_tokens=4, temperature=0.0)
     engine.generate(prompts, params)
     before = engine.metrics()
