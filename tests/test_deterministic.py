@@ -24,6 +24,7 @@ from mambacache.engine.sampling import SamplingBatch, sample
 from pallas_kernels import ops
 from pallas_kernels._common import l2norm
 from pallas_kernels.fixed_order import prefix_sum, tree_sum
+from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 from tests.multidevice import finish_worker, start_worker
 
 GREEDY = mc.SamplingParams(max_new_tokens=5)
@@ -39,9 +40,10 @@ CASES = [("tiny_qwen3_next", "none")] + [  # (preset, speculative.method)
 
 
 @functools.cache
-def _model(preset: str, method: str = "none"):
+def _model(preset: str, method: str = "none", branch_scale: float = 1.0):
     return load_model(mc.EngineConfig().replace(**{
-        "model.preset": preset, "model.dtype": "bfloat16", "speculative.method": method}))
+        "model.preset": preset, "model.dtype": "bfloat16", "speculative.method": method,
+        "model.init_branch_scale": branch_scale}))
 
 
 def _engine(preset: str, **overrides) -> Engine:
@@ -49,7 +51,8 @@ def _engine(preset: str, **overrides) -> Engine:
         "model.preset": preset, "model.dtype": "bfloat16", "model.kernels": "reference",
         "model.deterministic": True, "cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 24,
         "scheduler.max_running_requests": 8, **overrides})
-    return Engine(cfg, model=_model(preset, cfg.speculative.method))
+    return Engine(cfg, model=_model(preset, cfg.speculative.method,
+                                    cfg.model.init_branch_scale))
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -63,9 +66,14 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 @pytest.mark.parametrize("preset,method", CASES)
 def test_alone_equals_batched_chunked_cached(preset, method):
-    metrics = check_alone_equals_batched(preset, **{"speculative.method": method})
-    if method != "none":  # drafts were verified and some accepted
-        assert metrics["spec_accepted_tokens"] > 0, metrics
+    if method == "none":
+        check_alone_equals_batched(preset)
+        return
+    # shrunk branches: greedy output falls into cycles that prompt lookup drafts (a random
+    # model at scale 1 never repeats itself, so no draft would ever be accepted)
+    metrics = check_alone_equals_batched(preset, mc.SamplingParams(max_new_tokens=24), **{
+        "speculative.method": method, "model.init_branch_scale": 0.2})
+    assert metrics["spec_accepted_tokens"] > 0, metrics
 
 
 @SLOW
@@ -103,6 +111,28 @@ def test_alone_equals_batched_at_tensor_parallel_2(preset):
               f"check_alone_equals_batched({preset!r}, **{{'parallel.tensor_parallel': 2}})\n"
               "print(json.dumps({'ok': True}))\n")
     assert finish_worker(start_worker(worker), f"tp2 {preset}", timeout=1500) == {"ok": True}
+
+
+@SLOW
+def test_pallas_resumed_prefill_rounds_differently():
+    """Why deterministic mode refuses ``kernels = "pallas"``: a Gated DeltaNet prefill resumed
+    from its own snapshot (24 + 24 tokens, fp32) gives the bits of one from scratch with the
+    reference scan, not with the Pallas kernel (its chunks start where the extend starts). When
+    this fails for "pallas", the refusal in ``ops.resolve_impl`` may be lifted."""
+    rng = np.random.default_rng(0)
+    n, cut = 48, 24
+    case = ragged_case(rng, [n], num_tokens=n, num_seqs=1, snapshots=[(0, cut)], zero_init=True)
+    x = gdr_inputs(rng, case, 2, 2, 16, 16)
+    qkvgb = [x[k] for k in ("q", "k", "v", "g", "beta")]
+    none = np.zeros(1, np.int32)
+    for impl, same in (("reference", True), ("pallas", False)):
+        o, pool = ops.gated_delta_rule_extend(*qkvgb, x["ssm_pool"].copy(), *slot_args(case),
+                                              impl=impl)
+        o, pool = np.asarray(o), np.asarray(pool)
+        resumed, _ = ops.gated_delta_rule_extend(
+            *[a[cut:] for a in qkvgb], pool.copy(), np.array([0, n - cut], np.int32),
+            case.snap_slot[:1], case.write_slot, none, none, none, impl=impl)
+        assert np.array_equal(o[cut:], np.asarray(resumed)) == same, impl
 
 
 def check_alone_equals_batched(preset: str, params: mc.SamplingParams = GREEDY,
