@@ -119,8 +119,12 @@ def to_device(rows: tuple, pools: PoolState, memory_kind: str | None = None) -> 
 class HostPools:
     """Host rows by host id, demotions queued or copying, loads in flight (module docstring)."""
 
-    def __init__(self, memory_kind: str | None = None):
+    def __init__(self, memory_kind: str | None = None, copy_back: bool = False):
         self.memory_kind = memory_kind
+        # start a demotion's copy to the host at its gather (not on CPU: the rows already are
+        # host memory, and the copy's completion callback stalls the XLA thread, as the step
+        # loop's ``ModelRunner.copy_back`` found)
+        self.copy_back = copy_back
         self.pages: dict[int, tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]] = {}
         self.slots: dict[int, tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]] = {}
         self._queued: list[Transfer] = []  # demotions not gathered yet
@@ -155,7 +159,7 @@ class HostPools:
         if self.memory_kind is not None:  # an asynchronous DMA into pinned host buffers
             rows = jax.tree_util.tree_map(
                 lambda x: jax.device_put(x, x.sharding.with_memory_kind(self.memory_kind)), rows)
-        else:
+        elif self.copy_back:
             for x in jax.tree_util.tree_leaves(rows):
                 x.copy_to_host_async()
         self._copying.append((batch, rows))

@@ -311,7 +311,8 @@ class ModelRunner:
             from mambacache.engine.host_pools import HostPools, host_memory_kind
 
             leaf = jax.tree_util.tree_leaves(self.pools)[0]
-            self.host_pools = HostPools(host_memory_kind(next(iter(leaf.devices()))))
+            self.host_pools = HostPools(host_memory_kind(next(iter(leaf.devices()))),
+                                        copy_back=self.copy_back)
         return self.host_pools
 
     def load_ready(self, device_slot: int) -> bool:
