@@ -101,6 +101,7 @@ def test_metrics_endpoint_exports_the_tier():
     assert f"mambacache_host_hit_tokens_total {float(m['host_hit_tokens'])}" in text
     assert "mambacache_host_promoted_bytes_total" in text
     assert f"mambacache_host_pool_usage {float(m['host_usage'])}" in text
+    assert "mambacache_host_load_wait_steps_total" in text
 
 
 def test_warm_transfer_programs_then_no_compile():

@@ -28,6 +28,7 @@ ENGINE_COUNTERS = {
     "bytes_demoted": ("host_demoted_bytes", "Bytes copied from the device to the host tier"),
     "bytes_promoted": ("host_promoted_bytes", "Bytes copied from the host tier to the device"),
     "load_wait_s": ("host_load_wait_seconds", "Host seconds spent issuing tier copies"),
+    "load_wait_steps": ("host_load_wait_steps", "Steps a request sat out for its load"),
 }
 ENGINE_GAUGES = {
     "hit_rate": ("cache_hit_rate", "Cached / prompt tokens of finished requests"),
