@@ -185,6 +185,8 @@ class Scheduler:
         self._load_waiters.clear()
         spec = self._spec
         for s in out.values():
+            if s.spec is not None:
+                continue  # a decode row built whole (``_decode_scheduled``)
             s.write_slot = s.write_slot or s.req.lease.running_slot
             # no verify row without speculative decoding: ``verifies`` not asked (per row)
             s.spec = self.speculative.verify_spec(s) if self.speculative is not None \
@@ -218,12 +220,28 @@ class Scheduler:
         """A decode token. With pages, a step that ends on a page boundary writes its state to a
         fresh slot instead (``Lease.plan_decode_snapshot``): the next step reads it and writes
         the running slot again, so the newest page-aligned state survives to the finish."""
-        start = req.lease.num_computed
+        lease = req.lease
+        start = lease.num_computed
         s = ScheduledSeq(req, start, start + 1)
         if self.manager.boundary_snapshots:  # otherwise never one: no call per row
-            slot = req.lease.plan_decode_snapshot(s.end)
+            slot = lease.plan_decode_snapshot(s.end)
             if slot is not None:
                 s.write_slot = slot
+        if lease.pending_snapshots:
+            return s  # its spec once the step is decided (``_spec``)
+        # No snapshot: nothing later in the step changes this row (admissions plan snapshots
+        # for prefills only; a preemption drops the row), so its spec is built now, without
+        # ``_spec``'s general path (per row of every step): ``_spec``'s result.
+        s.write_slot = write = lease.running_slot
+        known = req.prompt_len + len(req.output_ids)
+        if start < known:
+            tokens, prev = req.token_slice(start, start + 1), -1
+        elif start == known and req.num_pending == 1:  # [overlap] its token is on the device
+            tokens, prev = _PLACEHOLDER, req.pending_row
+        else:
+            return s  # ``_spec`` raises
+        s.spec = SeqSpec(tokens, start, lease.page_ids, lease.next_read_slot, write, [], "last",
+                         prev)
         return s
 
     def advance(self, seq: ScheduledSeq) -> None:

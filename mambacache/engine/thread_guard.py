@@ -31,7 +31,7 @@ class ThreadGuard:
         self._depth = 0
 
     def enter(self, method: str) -> None:
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(False):  # non-blocking (by position: no keyword parsing)
             thread, held_by = self._holder or ("?", "?")
             raise RuntimeError(
                 f"{self.owner}.{method} called from thread {threading.current_thread().name!r} "
