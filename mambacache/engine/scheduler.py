@@ -227,11 +227,12 @@ class Scheduler:
             slot = lease.plan_decode_snapshot(s.end)
             if slot is not None:
                 s.write_slot = slot
-        if lease.pending_snapshots:
+        if lease.pending_snapshots and lease.plans(s.end):
             return s  # its spec once the step is decided (``_spec``)
-        # No snapshot: nothing later in the step changes this row (admissions plan snapshots
-        # for prefills only; a preemption drops the row), so its spec is built now, without
-        # ``_spec``'s general path (per row of every step): ``_spec``'s result.
+        # No snapshot in the row (older planned ones lie before it): nothing later in the step
+        # changes it (admissions plan snapshots for prefills only; a preemption drops the row),
+        # so its spec is built now, without ``_spec``'s general path (per row of every step):
+        # ``_spec``'s result.
         s.write_slot = write = lease.running_slot
         known = req.prompt_len + len(req.output_ids)
         if start < known:
