@@ -151,6 +151,16 @@ def test_warm_transfer_programs_then_no_compile():
     np.testing.assert_array_equal(got.ssm[0][2], before.ssm[0][3])
     np.testing.assert_array_equal(host.pages[32][1][0], before.v_pages[0][33])
     assert got.ssm[0].dtype == np.float32 and host.slots[2][1][0].dtype == np.float32
+    # host ids reused before the new owner's rows landed: a promotion reads the new rows
+    ids = np.arange(40, 44, dtype=np.int32)
+    host.transfer(pools, Transfer(True, np.arange(1, 5, dtype=np.int32), ids, 3, 7, tokens[:8]))
+    host.flush(pools)
+    host.land(block=True)  # the old owner's rows are filed under host slot 7 / pages 40-43
+    host.transfer(pools, Transfer(True, np.arange(10, 14, dtype=np.int32), ids, 1, 7, tokens[:8]))
+    host.transfer(pools, Transfer(False, np.arange(21, 25, dtype=np.int32), ids, 2, 7, tokens[:8]))
+    got = jax.device_get(host.finish_load(pools, 2))
+    np.testing.assert_array_equal(got.ssm[0][2], before.ssm[0][1])
+    np.testing.assert_array_equal(got.k_pages[0][21:25], before.k_pages[0][10:14])
 
 
 @pytest.mark.parametrize("platform,kinds,want", [

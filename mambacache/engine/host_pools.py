@@ -206,11 +206,9 @@ class HostPools:
             self._queued.append(t)
             self.land(in_use)
             return
-        waiting = self._queued or self._copying
-        if waiting and (int(t.host_slot) not in self.slots
-                        or any(int(p) not in self.pages for p in t.host_pages)):
-            self.flush(pools)  # its rows are still on the device: land them first (rare:
-            self.land(in_use, block=True)  # a prefix promoted right after its demotion)
+        if self._pending_for(t):  # its rows are still on the device: land them first (rare:
+            self.flush(pools)  # a prefix promoted right after its demotion)
+            self.land(in_use, block=True)
         n, width = len(t.host_pages), bucket(len(t.host_pages), MIN_TRANSFER_PAGES)
         conv, ssm = self.slots[int(t.host_slot)]
 
@@ -223,6 +221,16 @@ class HostPools:
         rows = (tuple(stack(i, 0, a) for i, a in enumerate(pools.k_pages)),
                 tuple(stack(i, 1, a) for i, a in enumerate(pools.v_pages)), conv, ssm)
         self._loads[int(t.device_slot)] = (t, to_device(rows, pools, self.memory_kind))
+
+    def _pending_for(self, t: Transfer) -> bool:
+        """Whether a demotion not landed yet writes one of ``t``'s host ids (an id's landed
+        rows may be an older owner's: the host tree reuses ids as soon as it evicts)."""
+        if not (self._queued or self._copying):
+            return False
+        pending = self._queued + [d for batch, _ in self._copying for d in batch]
+        slots = {int(d.host_slot) for d in pending}
+        pages = {int(p) for d in pending for p in d.host_pages}
+        return int(t.host_slot) in slots or any(int(p) in pages for p in t.host_pages)
 
     def load_ready(self, device_slot: int) -> bool:
         """Whether the load into ``device_slot`` has landed on the device (no wait)."""

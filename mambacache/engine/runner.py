@@ -181,6 +181,8 @@ class ModelRunner:
     def place(self, params: Any, pools: PoolState) -> None:
         """Run from now on with ``params`` and ``pools`` (same layout: placed on a mesh by
         ``parallel.mesh.shard_engine``, or restored rows from ``Engine.replace_pools``)."""
+        if self.host_pools is not None:  # [host tier] queued demotions read the old pools
+            self.host_pools.flush(self.pools)
         self.params, self.pools = params, pools
 
     def use_buckets(self, buckets: Buckets) -> None:
