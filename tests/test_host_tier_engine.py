@@ -104,13 +104,14 @@ def test_metrics_endpoint_exports_the_tier():
     assert "mambacache_host_load_wait_steps_total" in text
 
 
-def test_warm_transfer_programs_then_no_compile():
+def test_warm_transfer_programs_then_no_compile(monkeypatch):
     """``host_pools.warm`` compiles every width a transfer can take and changes no row: a
     demotion and a promotion after it compile nothing and round-trip the rows exactly."""
     import jax
     import jax.numpy as jnp
 
     from mambacache.cache.host_tier import Transfer
+    from mambacache.engine import host_pools
     from mambacache.engine.compiles import CompileCounter
     from mambacache.engine.host_pools import HostPools, warm
     from mambacache.engine.pools import PoolState
@@ -128,6 +129,7 @@ def test_warm_transfer_programs_then_no_compile():
     for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after),
                     strict=True):
         np.testing.assert_array_equal(a[1:], b[1:])  # only the dump page / zero slot touched
+    monkeypatch.setattr(host_pools, "PRUNE_MIN_ROWS", 0)
     counter, host = CompileCounter(), HostPools()
     host.max_batch_pages = 32
     tokens = np.arange(40, dtype=np.int32)
@@ -161,6 +163,14 @@ def test_warm_transfer_programs_then_no_compile():
     got = jax.device_get(host.finish_load(pools, 2))
     np.testing.assert_array_equal(got.ssm[0][2], before.ssm[0][1])
     np.testing.assert_array_equal(got.k_pages[0][21:25], before.k_pages[0][10:14])
+    # landing walks the rows once they have doubled (here: at once) and drops the ids the host
+    # tree no longer holds
+    keep = lambda p, s: (p >= 50, s == 9)  # noqa: E731
+    host.transfer(pools, Transfer(True, np.arange(1, 3, dtype=np.int32),
+                                  np.arange(50, 52, dtype=np.int32), 1, 9, tokens[:4]), keep)
+    host.flush(pools)
+    host.land(keep, block=True)
+    assert set(host.pages) == {50, 51} and set(host.slots) == {9}
 
 
 @pytest.mark.parametrize("platform,kinds,want", [

@@ -20,8 +20,9 @@ States keep their pool dtypes on the host (fp32 SSM states stay fp32). Page coun
 batches are padded to powers of two (pages at least ``MIN_TRANSFER_PAGES``, slots at least 1)
 with the dump page 0 / the zero slot (their rows are garbage by contract): a finite set of
 gather / scatter programs, compiled by ``Engine.warmup`` (``warm``) or on first use. Memory:
-host rows whose ids the host tree no longer holds are dropped whenever new rows land
-(``in_use``: the tier's), so the host size is never held twice.
+every host id holds one row set at most (a new owner's rows replace the old), so the rows never
+pass the host budget; rows of ids the host tree no longer holds are dropped (``in_use``: the
+tier's) when the rows have doubled since the last such walk (amortized, not per landing).
 
 Where host rows live: ``host_memory_kind(device)``. On GPU / TPU devices that offer the
 ``pinned_host`` memory kind, a demotion's rows are copied into pinned host buffers
@@ -47,6 +48,8 @@ from mambacache.engine.pools import PoolState
 MIN_TRANSFER_PAGES = 16
 #: the most demoted states one gather copies (its slot widths: powers of two up to this)
 MAX_BATCH_SLOTS = 8
+#: host rows (pages + slots) below which landing never prunes
+PRUNE_MIN_ROWS = 1024
 
 InUse = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
@@ -132,6 +135,7 @@ class HostPools:
         self._loads: dict[int, tuple[Transfer, tuple]] = {}  # device slot -> rows on the device
         self.row_bytes = [0, 0]  # bytes of one page's rows, of one slot's rows (once seen)
         self.gathers = 0  # gather programs dispatched (one per flushed batch of demotions)
+        self._prune_at = PRUNE_MIN_ROWS  # rows (pages + slots) at which ``land`` prunes
         # the most pages one gather copies (``warm`` sets its widest width; one demotion may
         # pass it alone)
         self.max_batch_pages = 1 << 30
@@ -186,11 +190,11 @@ class HostPools:
                                   sum(a[0].nbytes for a in conv + ssm)]
             done += 1
         self._copying = self._copying[done:]
-        if done and in_use is not None:
+        if done and in_use is not None and len(self.pages) + len(self.slots) >= self._prune_at:
             self._prune(in_use)
 
     def _prune(self, in_use: InUse) -> None:
-        """Drop rows of host ids the host tree no longer holds."""
+        """Drop rows of host ids the host tree no longer holds (a walk over every row)."""
         pages = np.fromiter(self.pages, np.int64, len(self.pages))
         slots = np.fromiter(self.slots, np.int64, len(self.slots))
         keep_pages, keep_slots = in_use(pages, slots)
@@ -198,6 +202,9 @@ class HostPools:
             del self.pages[p]
         for s in slots[~keep_slots].tolist():
             del self.slots[s]
+        # amortized: the next prune once the rows have doubled (each id holds one row set at
+        # most, so rows never pass the host budget's ids; pruning only returns memory early)
+        self._prune_at = 2 * (len(self.pages) + len(self.slots)) + PRUNE_MIN_ROWS
 
     # ---- promotions (loads) ------------------------------------------------------------------
     def transfer(self, pools: PoolState, t: Transfer, in_use: InUse | None = None) -> None:
