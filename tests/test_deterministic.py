@@ -1,8 +1,8 @@
 """``model.deterministic`` (issue 28): in bf16, a request's tokens and logprobs are identical
 (``==``) whether it runs alone, cache off, chunked prefill 256, or among other requests with the
 cache on (shared prefixes, an identical prompt), chunked prefill 13, page size 4; with
-``speculative.method`` ``"none"``, ``"ngram"`` and ``"mtp"``, seeded top-k / top-p sampling,
-preemption, and both runs at tensor parallel 2.
+``speculative.method`` ``"none"``, ``"ngram"`` (chains and trees) and ``"mtp"``, seeded top-k /
+top-p sampling, preemption, and both runs at tensor parallel 2.
 
 The default family without drafts and the sampler's unit checks run in CI; the family sweeps
 (same check, more compiles) behind ``-m slow``.
@@ -74,6 +74,19 @@ def test_alone_equals_batched_chunked_cached(preset, method):
     metrics = check_alone_equals_batched(preset, mc.SamplingParams(max_new_tokens=24), **{
         "speculative.method": method, "model.init_branch_scale": 0.2})
     assert metrics["spec_accepted_tokens"] > 0, metrics
+
+
+@SLOW
+@pytest.mark.parametrize("preset", PRESETS)
+def test_draft_tree_alone_equals_batched(preset):
+    """ngram drafts as a tree (``speculative.topk`` 2: one verify row per branch; page size 1
+    in both runs, which trees need)."""
+    metrics = check_alone_equals_batched(
+        preset, mc.SamplingParams(max_new_tokens=24),
+        batched={"scheduler.check_integrity_every_step": True},
+        **{"speculative.method": "ngram", "speculative.topk": 2, "cache.page_size": 1,
+           "model.init_branch_scale": 0.2})
+    assert metrics["spec_accepted_tokens"] > 0 and metrics["cached_tokens"] > 0, metrics
 
 
 @SLOW
