@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from shadow_helpers import greedy, shadow_engine
 
 import mambacache as mc
 from mambacache.config import SpeculativeConfig
@@ -16,6 +15,7 @@ from mambacache.engine.drafters import Drafter, NgramDrafter
 from mambacache.engine.lease import Lease
 from mambacache.engine.shadow_runner import DataflowError
 from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+from tests.shadow_helpers import greedy, shadow_engine
 
 VOCAB = 12
 TREE = {"speculative.method": "ngram", "speculative.topk": 4, "cache.page_size": 1}
@@ -175,3 +175,58 @@ def test_model_same_as_none(sampled, overrides):
     if "cache.num_kv_tokens" in overrides:
         assert m["preemptions"] > 0, m
     eng.check_integrity()
+
+
+_TP_WORKER = """
+import json
+import numpy as np
+import mambacache as mc
+from mambacache.engine.engine import Engine
+from models.mtp import with_seeded_mtp
+from models.params import init_params
+from models.presets import get_preset
+from tests.test_spec_tree import CheatTree
+
+model_cfg = get_preset("tiny_qwen3_next_tp4")
+params = init_params(model_cfg, seed=3)
+base = {"cache.num_kv_tokens": 1024, "cache.num_mamba_slots": 16, "cache.page_size": 1,
+        "scheduler.max_running_requests": 4, "model.kernels": "reference",
+        "speculative.num_draft_tokens": 3, "speculative.topk": 3}
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, 512, n).tolist() for n in (9, 23)]
+sp = mc.SamplingParams(max_new_tokens=10)
+result = {}
+for name, model, method in (("ngram", (model_cfg, params), "ngram"),
+                            ("mtp", with_seeded_mtp(model_cfg, params, seed=4), "mtp")):
+    ref = Engine(mc.EngineConfig().replace(**base), model=model).generate(prompts, sp)
+    cfg = mc.EngineConfig().replace(**{**base, "parallel.tensor_parallel": 2,
+                                       "speculative.method": method})
+    engine = Engine(cfg, model=model)
+    if method == "ngram":
+        engine.scheduler.speculative.drafter = CheatTree(
+            [o.prompt_token_ids + o.output_token_ids for o in ref], 512)
+    outs = engine.generate(prompts, sp)
+    engine.check_integrity()
+    m = engine.metrics()
+    result[name] = dict(ref=[o.output_token_ids for o in ref],
+                        tokens=[o.output_token_ids for o in outs],
+                        diff=max(abs(x - y) for a, b in zip(ref, outs)
+                                 for x, y in zip(a.output_logprobs, b.output_logprobs)),
+                        rows=m["spec_verify_rows"], verifies=m["spec_verify_steps"],
+                        wins=m["spec_branch_wins"])
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel():
+    """Trees at TP 2 (ngram with the cheat tree, the MTP head's top-k): the tokens of method
+    none at TP 1, logprobs within 1e-4, trees ran and a later branch won."""
+    from tests.multidevice import finish_worker, start_worker
+
+    res = finish_worker(start_worker(_TP_WORKER), timeout=900)  # 4 engines' compiles
+    for name in ("ngram", "mtp"):
+        r = res[name]
+        assert r["tokens"] == r["ref"] and r["diff"] <= 1e-4, (name, r)
+        assert r["rows"] > r["verifies"] > 0, (name, r)
+    assert res["ngram"]["wins"] > 0, res
