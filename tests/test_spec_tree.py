@@ -81,6 +81,19 @@ def test_shadow_same_outputs_as_none(cache):
     assert eng.scheduler.speculative.free_lanes() == list(range(8))
 
 
+def test_shadow_followup_hits_verified_prefix():
+    """Only verified tokens reach the cache: a follow-up hits every computed token, and the
+    tree's states and KV are those of its own path (``check_integrity``: ``check_tree``)."""
+    eng = _shadow()
+    prompts = _prompts(6)
+    first = eng.generate(prompts, greedy(40))
+    assert eng.metrics()["spec_branch_wins"] > 0
+    for prompt, out in zip(prompts[:2], first[:2], strict=True):
+        second = eng.generate([prompt + out.output_token_ids + [3, 4]], greedy(4))[0]
+        assert second.cached_tokens == len(prompt) + 40 - 1
+    eng.check_integrity()
+
+
 def test_shadow_chunks_preemption_and_failure():
     prompts = _prompts(8, length=37, seed=1)
     kw = {"cache.num_kv_tokens": 100, "cache.num_mamba_slots": 5,
