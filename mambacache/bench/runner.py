@@ -168,6 +168,7 @@ ENGINE_KEYS = ("hit_rate", "prompt_tokens", "cached_tokens", "computed_prefill_t
                "kv_bytes_per_token", "kv_bytes_per_token_expanded", "spec_verify_steps",
                "spec_draft_tokens", "spec_accepted_tokens", "spec_accept_rate",
                "spec_tokens_per_verify", "spec_verify_rows", "spec_verify_width",
+               "spec_branch_wins",
                "device_idle_share",
                "host_bound_share")
 
