@@ -31,7 +31,7 @@ Host only (numpy). The step loop runs trees synchronously (``Engine``: no overla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +40,34 @@ from mambacache.engine.step_plan import ScheduledSeq
 
 if TYPE_CHECKING:
     from mambacache.engine.request import Request
+
+
+def plan_tree(req: Request, tree: list[list[int]], mtp_room: int,
+              take_lane: Callable[[], None]) -> ScheduledSeq | None:
+    """The rows of ``tree`` from ``req``'s next position: its pages grown to the deepest branch
+    (+ ``mtp_room`` for the MTP head's chained K/V, if free), a lane taken (``take_lane``) and
+    pages for as many branches past the first as the pool has free. None (nothing taken but
+    pages the request keeps) if no second branch gets pages, or a snapshot is planned in the
+    window (a path would write it, whichever the target takes)."""
+    start, lease = req.num_computed, req.lease
+    depth = max(len(d) for d in tree)
+    if any(start < pos <= start + depth + 1 for pos in lease.pending_snapshots):
+        return None
+    if mtp_room:
+        lease.grow(start + 1 + depth + mtp_room)
+    if not lease.grow(start + 1 + depth):
+        return None
+    pages = []
+    for drafts in tree[1:]:
+        got = lease.take_branch_pages(len(drafts) + 1)
+        if got is None:
+            break
+        pages.append(got)
+    if not pages:
+        return None
+    take_lane()
+    pool = [s for s in (lease.running_slot, *lease.scratch_slots) if s != lease.state_slot]
+    return tree_rows(req, start, tree, pool, pages)
 
 
 def tree_rows(req: Request, start: int, tree: Sequence[Sequence[int]],

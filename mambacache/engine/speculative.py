@@ -13,7 +13,8 @@ is overwritten by the next extend before anything reads it.
 
 Invariants (``check_lanes``; the data-flow oracle ``ShadowRunner`` checks the reads):
   * scratch slots are ids ``num_mamba_slots + 1 ..`` of the pools, never the cache allocator's:
-    ``max_running_requests`` lanes of ``k + 1``; a running request holds at most one lane
+    ``max_running_requests`` lanes of ``topk * (k + 1)`` (``topk`` > 1: draft trees,
+    ``engine/spec_tree.py``, one verify row per branch); a running request holds at most one lane
     (``Lease.scratch_slots``), released with the request;
   * the tree only ever sees verified tokens: ``Request.token_ids`` grows by accepted tokens
     only, and a page-boundary snapshot planned inside a verify window is kept only if that
@@ -37,7 +38,7 @@ import numpy as np
 from mambacache.config import EngineConfig
 from mambacache.engine.drafters import make_drafter
 from mambacache.engine.spec_chain import Chain, targets
-from mambacache.engine.spec_tree import pick_branch, row_pages, tree_rows
+from mambacache.engine.spec_tree import pick_branch, plan_tree, row_pages
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
 if TYPE_CHECKING:
@@ -156,27 +157,10 @@ class SpecDecoder:
         return s
 
     def _plan_tree(self, req: Request, tree: list[list[int]]) -> ScheduledSeq | None:
-        """The rows of a draft tree (``engine/spec_tree.py``), or None (no room for two full
-        branches: the caller verifies the first as a chain)."""
-        start, lease = req.num_computed, req.lease
-        depth = max(len(d) for d in tree)
-        if any(start < pos <= start + depth + 1 for pos in lease.pending_snapshots):
-            return None  # a snapshot planned in the window: one path writes it
-        if self.chain_room:  # [mtp] room for the chained drafts' K/V if free
-            lease.grow(start + 1 + depth + self.k - 1)
-        if not lease.grow(start + 1 + depth):
-            return None
-        pages = []
-        for drafts in tree[1:]:
-            got = lease.take_branch_pages(len(drafts) + 1)
-            if got is None:
-                break
-            pages.append(got)
-        if not pages:
-            return None
-        self._take_lane(req)
-        pool = [s for s in (lease.running_slot, *lease.scratch_slots) if s != lease.state_slot]
-        return tree_rows(req, start, tree, pool, pages)
+        """The rows of a draft tree (``spec_tree.plan_tree``), or None: the caller verifies
+        the first branch as a chain."""
+        mtp_room = self.k - 1 if self.chain_room else 0
+        return plan_tree(req, tree, mtp_room, lambda: self._take_lane(req))
 
     def plan_chained(self, req: Request) -> ScheduledSeq | None:
         """[overlap] The row of ``req`` whose previous row (in the step in flight) is not read
