@@ -116,6 +116,21 @@ def test_shadow_chunks_preemption_and_failure():
         eng.check_integrity()
 
 
+def test_trees_run_synchronously():
+    """On a runner that chains rows on the device (``spec_k``), a chain keeps the overlapped
+    loop and a tree falls back to the synchronous one (never a tree chained in flight)."""
+    from mambacache.engine.engine import Engine
+    from mambacache.engine.shadow_runner import ShadowRunner
+
+    depth = {}
+    for topk in (1, 4):
+        cfg = mc.EngineConfig().replace(**{**TREE, "speculative.topk": topk})
+        runner = ShadowRunner.for_config(cfg)
+        runner.spec_k = cfg.speculative.num_draft_tokens  # as ModelRunner's
+        depth[topk] = Engine(cfg, runner=runner).loop.depth
+    assert depth == {1: 1, 4: 0}
+
+
 def test_planted_bug_winner_pages_not_adopted(monkeypatch):
     """The data-flow oracle catches a winner branch whose KV pages are dropped."""
     orig = Lease.settle_branches
