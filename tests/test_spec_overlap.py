@@ -52,10 +52,9 @@ def test_stops_inside_drafts_sampled(references):  # noqa: F811
     params = [mc.SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, seed=p.seed,
                                 stop_token_ids=(o.output_token_ids[6],))
               for p, o in zip(_params(True), ref, strict=True)]
-    out = {}
+    out, pools = {}, {"cache.page_size": 4, "scheduler.chunked_prefill_size": 13}
     for overlap in (False, True):
-        eng = _spec_engine(ref, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 13,
-                                   "scheduler.overlap": overlap})
+        eng = _spec_engine(ref, **pools, **{"scheduler.overlap": overlap})
         out[overlap] = eng.generate(_prompts(), params)
         eng.check_integrity()
     assert_same_outputs(out[True], out[False], atol=1e-4)
@@ -65,5 +64,5 @@ def test_stops_inside_drafts_sampled(references):  # noqa: F811
     turn2 = [o.prompt_token_ids + o.output_token_ids + [11, 12] for o in out[True]]
     sp = mc.SamplingParams(max_new_tokens=3)
     assert_same_outputs(eng.generate(turn2, sp),
-                        _spec_engine(ref, **{"cache.enable": False}).generate(turn2, sp))
+                        _spec_engine(ref, **pools, **{"cache.enable": False}).generate(turn2, sp))
     eng.check_integrity()
