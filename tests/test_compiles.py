@@ -6,12 +6,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from engine_helpers import assert_same_outputs, make_engine, rand_tokens
+from engine_helpers import assert_same_outputs, make_engine, rand_tokens, tiny_model
 
 import mambacache as mc
 from mambacache.engine.buckets import Buckets, StepShape
 from mambacache.engine.compiles import CompileCounter, count_compiles
+from mambacache.engine.speculative import max_rows
 from mambacache.engine.step_plan import SeqSpec
+from mambacache.engine.warmup import engine_buckets
 
 # pool shapes no other test uses: every program of this engine is compiled here first
 UNIQUE = {"cache.page_size": 3, "cache.num_kv_tokens": 3000, "cache.num_mamba_slots": 20,
@@ -93,3 +95,23 @@ def test_warmup_needs_an_idle_engine():
     eng.add_request([1, 2, 3], GREEDY)
     with pytest.raises(ValueError, match="idle"):
         eng.warmup()
+
+
+@pytest.mark.parametrize("method,topk", [("mtp", 1), ("ngram", 1), ("ngram", 4)])
+def test_verify_steps_land_in_the_warmed_set(method, topk):
+    """A step of verify rows only (every running request drafting k tokens, a target state at
+    each draft and a planned snapshot in its window) is one of the warmed shapes: with too few
+    snapshot rows in the set, the first such step after warm-up compiled (issue 29)."""
+    k, running = 3, 4
+    cfg = mc.EngineConfig().replace(**{
+        "cache.page_size": 1, "scheduler.max_running_requests": running,
+        "scheduler.chunked_prefill_size": 16, "speculative.method": method,
+        "speculative.num_draft_tokens": k, "speculative.topk": topk})
+    model_cfg = tiny_model()[0]
+    b = engine_buckets(cfg, model_cfg, max_rows(cfg), max_seq_len=64)
+    shapes = set(b.program_set())
+    rows = [SeqSpec(tokens=[0] * (1 + k), prefix_len=40, page_ids=list(range(44)),
+                    read_slot=0, write_slot=0,
+                    snapshots=[(j, j) for j in range(1, k + 1)] + [(k + 1, 9)])
+            for _ in range(running * topk)]
+    assert b.shape(rows, False, len(rows) * (1 + k)) in shapes

@@ -43,7 +43,8 @@ def engine_buckets(cfg: Any, model_cfg: Any, max_seqs: int,
         page_size=cfg.cache.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
         max_step_tokens=sched.chunked_prefill_size + verify,
         max_logit_rows=verify if k else 0,
-        max_snapshots=2 * max_seqs + sched.chunked_prefill_size // max(interval, 1),
+        max_snapshots=(2 * max_seqs + sched.chunked_prefill_size // max(interval, 1)
+                       + (verify if k else 0)),  # a verify row: a state per draft + its window's
         min_rows=min_rows(cfg))
 
 
