@@ -35,3 +35,18 @@ def assert_same_outputs(outs_a, outs_b, atol: float = 1e-4) -> None:
         assert a.output_token_ids == b.output_token_ids, (a.request_id, a.output_token_ids,
                                                           b.output_token_ids)
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=atol, rtol=0)
+
+
+def spec_prompts() -> list[list[int]]:
+    """Two prompts sharing a 19-token prefix and one apart (the speculative engine tests')."""
+    rng = np.random.default_rng(7)
+    shared = rand_tokens(rng, 19)
+    return [shared + rand_tokens(rng, 6), shared + rand_tokens(rng, 11), rand_tokens(rng, 9)]
+
+
+def spec_params(sampled: bool, max_new_tokens: int) -> list[mc.SamplingParams]:
+    """Greedy, or seeded top-k 50 sampling at temperature 0.9, for ``spec_prompts``."""
+    if not sampled:
+        return [mc.SamplingParams(max_new_tokens=max_new_tokens)] * 3
+    return [mc.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.9, top_k=50, seed=s)
+            for s in (1, 2, 3)]

@@ -14,8 +14,13 @@ from mambacache.config import SpeculativeConfig
 from mambacache.engine.drafters import Drafter, NgramDrafter
 from mambacache.engine.lease import Lease
 from mambacache.engine.shadow_runner import DataflowError
-from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
-from tests.shadow_helpers import greedy, shadow_engine
+from tests.engine_helpers import (
+    assert_same_outputs,
+    make_engine,
+    spec_params,
+    spec_prompts,
+)
+from tests.shadow_helpers import greedy, greedy_outputs, random_prompts, shadow_engine
 
 VOCAB = 12
 TREE = {"speculative.method": "ngram", "speculative.topk": 4, "cache.page_size": 1}
@@ -24,15 +29,6 @@ TREE = {"speculative.method": "ngram", "speculative.topk": 4, "cache.page_size":
 def _shadow(runner: dict | None = None, **overrides):
     return shadow_engine({"markov": 1, "vocab_size": VOCAB, **(runner or {})},
                          **{**TREE, **overrides})
-
-
-def _prompts(n: int, length: int = 30, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
-
-
-def _outputs(eng, prompts, n):
-    return [(o.output_token_ids, o.output_logprobs) for o in eng.generate(prompts, greedy(n))]
 
 
 def test_config_limits():
@@ -68,11 +64,11 @@ def test_ngram_tree_branches():
 
 @pytest.mark.parametrize("cache", [True, False])
 def test_shadow_same_outputs_as_none(cache):
-    prompts = _prompts(6)
+    prompts = random_prompts(VOCAB, 6)
     kw = {"cache.page_size": 1, "cache.enable": cache}
-    ref = _outputs(shadow_engine({"markov": 1, "vocab_size": VOCAB}, **kw), prompts, 40)
+    ref = greedy_outputs(shadow_engine({"markov": 1, "vocab_size": VOCAB}, **kw), prompts, 40)
     eng = _shadow(**{"cache.enable": cache})
-    assert _outputs(eng, prompts, 40) == ref
+    assert greedy_outputs(eng, prompts, 40) == ref
     m = eng.metrics()
     assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0, m  # trees ran
     assert m["spec_branch_wins"] > 0, m  # and a branch other than the first was taken
@@ -85,7 +81,7 @@ def test_shadow_followup_hits_verified_prefix():
     """Only verified tokens reach the cache: a follow-up hits every computed token, and the
     tree's states and KV are those of its own path (``check_integrity``: ``check_tree``)."""
     eng = _shadow()
-    prompts = _prompts(6)
+    prompts = random_prompts(VOCAB, 6)
     first = eng.generate(prompts, greedy(40))
     assert eng.metrics()["spec_branch_wins"] > 0
     for prompt, out in zip(prompts[:2], first[:2], strict=True):
@@ -95,12 +91,12 @@ def test_shadow_followup_hits_verified_prefix():
 
 
 def test_shadow_chunks_preemption_and_failure():
-    prompts = _prompts(8, length=37, seed=1)
+    prompts = random_prompts(VOCAB, 8, length=37, seed=1)
     kw = {"cache.num_kv_tokens": 100, "cache.num_mamba_slots": 5,
           "scheduler.chunked_prefill_size": 7, "scheduler.max_running_requests": 6}
-    ref = _outputs(shadow_engine({"markov": 1, "vocab_size": VOCAB}, **kw), prompts, 30)
+    ref = greedy_outputs(shadow_engine({"markov": 1, "vocab_size": VOCAB}, **kw), prompts, 30)
     eng = _shadow(**kw)
-    assert _outputs(eng, prompts, 30) == ref
+    assert greedy_outputs(eng, prompts, 30) == ref
     m = eng.metrics()
     assert m["preemptions"] > 0 and m["spec_verify_rows"] > m["spec_verify_steps"], m
     eng.check_integrity()
@@ -137,7 +133,7 @@ def test_planted_bug_winner_pages_not_adopted(monkeypatch):
     monkeypatch.setattr(Lease, "settle_branches",
                         lambda self, start, winner: orig(self, start, 0))
     with pytest.raises(DataflowError):
-        _shadow().generate(_prompts(6), greedy(40))
+        _shadow().generate(random_prompts(VOCAB, 6), greedy(40))
 
 
 # ---- the real tiny model -----------------------------------------------------------------
@@ -170,32 +166,19 @@ class CheatTree(Drafter):
         raise AssertionError("a tree drafter's chain is its first branch")
 
 
-def _model_prompts() -> list[list[int]]:
-    rng = np.random.default_rng(7)
-    shared = rand_tokens(rng, 19)
-    return [shared + rand_tokens(rng, 6), shared + rand_tokens(rng, 11), rand_tokens(rng, 9)]
-
-
-def _params(sampled: bool) -> list[mc.SamplingParams]:
-    if not sampled:
-        return [mc.SamplingParams(max_new_tokens=NEW)] * 3
-    return [mc.SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=50, seed=s)
-            for s in (1, 2, 3)]
-
-
 @pytest.mark.slow  # ~1 min each on 2 busy cores (the page-1 programs compile): -m slow
 @pytest.mark.parametrize("sampled,overrides", [
     (False, {"scheduler.chunked_prefill_size": 13}),
     (True, {"cache.num_kv_tokens": 60, "cache.num_mamba_slots": 3}),
 ], ids=["greedy-chunk13", "sampled-preempt"])
 def test_model_same_as_none(sampled, overrides):
-    ref = make_engine(**{"cache.enable": False}).generate(_model_prompts(), _params(sampled))
+    ref = make_engine(**{"cache.enable": False}).generate(spec_prompts(), spec_params(sampled, NEW))
     eng = make_engine(**{**TREE, "speculative.topk": 3, "speculative.num_draft_tokens": K,
                          "scheduler.check_integrity_every_step": True, **overrides})
     eng.scheduler.speculative.drafter = CheatTree(
         [o.prompt_token_ids + o.output_token_ids for o in ref], eng.model_cfg.vocab_size)
     assert eng.loop.depth == 0  # trees run synchronously
-    outs = eng.generate(_model_prompts(), _params(sampled))
+    outs = eng.generate(spec_prompts(), spec_params(sampled, NEW))
     assert_same_outputs(outs, ref, atol=1e-4)
     m = eng.metrics()
     assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0 and m["spec_branch_wins"] > 0, m

@@ -19,7 +19,13 @@ import mambacache as mc
 from mambacache.engine.drafters import Drafter
 from mambacache.engine.sampling import SamplingBatch, sample
 from mambacache.engine.speculative import accepted_drafts
-from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+from tests.engine_helpers import (
+    assert_same_outputs,
+    make_engine,
+    rand_tokens,
+    spec_params,
+    spec_prompts,
+)
 
 K = 3
 NEW = 12
@@ -41,24 +47,12 @@ class CheatDrafter(Drafter):
         return []
 
 
-def _prompts() -> list[list[int]]:
-    rng = np.random.default_rng(7)
-    shared = rand_tokens(rng, 19)
-    return [shared + rand_tokens(rng, 6), shared + rand_tokens(rng, 11), rand_tokens(rng, 9)]
-
-
-def _params(sampled: bool) -> list[mc.SamplingParams]:
-    if not sampled:
-        return [mc.SamplingParams(max_new_tokens=NEW)] * 3
-    return [mc.SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=50, seed=s)
-            for s in (1, 2, 3)]
-
-
 @pytest.fixture(scope="module")
 def references():
     """method none, cache off: {sampled: outputs}."""
     eng = make_engine(**{"cache.enable": False})
-    return {sampled: eng.generate(_prompts(), _params(sampled)) for sampled in (False, True)}
+    return {sampled: eng.generate(spec_prompts(), spec_params(sampled, NEW))
+            for sampled in (False, True)}
 
 
 def _spec_engine(outs, **overrides):
@@ -83,7 +77,7 @@ SLOW = pytest.mark.slow  # ~1-2 min each on 2 busy CPU cores (compiles): -m slow
 def test_same_as_none(references, sampled, overrides):
     ref = references[sampled]
     eng = _spec_engine(ref, **overrides)
-    outs = eng.generate(_prompts(), _params(sampled))
+    outs = eng.generate(spec_prompts(), spec_params(sampled, NEW))
     assert_same_outputs(outs, ref, atol=1e-4)
     m = eng.metrics()
     assert m["spec_verify_steps"] > 0 and 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
@@ -100,7 +94,7 @@ def test_same_as_none(references, sampled, overrides):
 def test_followup_hits_verified_prefix(references, page):
     ref = references[False]
     eng = _spec_engine(ref, **{"cache.page_size": page})
-    first = eng.generate(_prompts()[:1], _params(False)[:1])[0]
+    first = eng.generate(spec_prompts()[:1], spec_params(False, NEW)[:1])[0]
     assert first.output_token_ids == ref[0].output_token_ids
     follow = first.prompt_token_ids + first.output_token_ids + [5, 6]
     second = eng.generate([follow], mc.SamplingParams(max_new_tokens=3))[0]
@@ -184,13 +178,14 @@ def test_every_family(preset):
                                        "cache.page_size": 4, "cache.num_mamba_slots": 16,
                                        "cache.num_kv_tokens": 2000})
     model = load_model(cfg)
-    params = _params(False)
-    ref = Engine(cfg.replace(**{"cache.enable": False}), model=model).generate(_prompts(), params)
+    params = spec_params(False, NEW)
+    ref = Engine(cfg.replace(**{"cache.enable": False}), model=model).generate(spec_prompts(),
+                                                                               params)
     eng = Engine(cfg.replace(**{"speculative.method": "ngram", "speculative.num_draft_tokens": K,
                                 "scheduler.check_integrity_every_step": True}), model=model)
     eng.scheduler.speculative.drafter = CheatDrafter(
         [o.prompt_token_ids + o.output_token_ids for o in ref], model[0].vocab_size)
-    assert_same_outputs(eng.generate(_prompts(), params), ref)
+    assert_same_outputs(eng.generate(spec_prompts(), params), ref)
     assert eng.metrics()["spec_accepted_tokens"] > 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from shadow_helpers import greedy, shadow_engine
+from shadow_helpers import greedy, greedy_outputs, random_prompts, shadow_engine
 
 import mambacache as mc
 from mambacache.config import SpeculativeConfig
@@ -23,15 +23,6 @@ ORACLE = {"markov": 1, "vocab_size": VOCAB}  # outputs cycle: prompt lookup hits
 def _engine(method: str = "ngram", runner: dict | None = None, **overrides):
     return shadow_engine({**ORACLE, **(runner or {})},
                          **{"speculative.method": method, **overrides})
-
-
-def _prompts(n: int, length: int = 30, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
-
-
-def _outputs(eng, prompts, n):
-    return [(o.output_token_ids, o.output_logprobs) for o in eng.generate(prompts, greedy(n))]
 
 
 def test_ngram_drafter():
@@ -65,11 +56,11 @@ def test_config_validation():
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("cache", [True, False])
 def test_same_outputs_as_none(page, cache):
-    prompts = _prompts(6)
+    prompts = random_prompts(VOCAB, 6)
     kw = {"cache.page_size": page, "cache.enable": cache}
-    ref = _outputs(_engine("none", **kw), prompts, 40)
+    ref = greedy_outputs(_engine("none", **kw), prompts, 40)
     eng = _engine(**kw)
-    assert _outputs(eng, prompts, 40) == ref
+    assert greedy_outputs(eng, prompts, 40) == ref
     assert [o for o, _ in ref] == [eng.runner.expected_output(p, 40) for p in prompts]
     m = eng.metrics()
     assert m["spec_tokens_per_verify"] > 1.5 and m["spec_accepted_tokens"] > 0
@@ -80,7 +71,7 @@ def test_same_outputs_as_none(page, cache):
 @pytest.mark.parametrize("page", [1, 4])
 def test_followup_hits_verified_prefix(page):
     eng = _engine(**{"cache.page_size": page})
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(VOCAB, 1)[0]
     first = eng.generate([prompt], greedy(21))[0]
     assert eng.metrics()["spec_verify_steps"] > 0
     computed = len(prompt) + 21 - 1  # the last sampled token is never fed
@@ -93,12 +84,12 @@ def test_followup_hits_verified_prefix(page):
 def test_adaptive_drafts_cut_the_waste_of_misses():
     """Outputs that never repeat (the default oracle): drafts keep missing. Adaptive drafting
     proposes one after a miss instead of k; outputs are the same either way."""
-    prompts = _prompts(4)
+    prompts = random_prompts(VOCAB, 4)
     outs, drafted = [], []
     for adaptive in (False, True):
         eng = shadow_engine({"vocab_size": VOCAB}, **{"speculative.method": "ngram",
                                                       "speculative.adaptive": adaptive})
-        outs.append(_outputs(eng, prompts, 30))
+        outs.append(greedy_outputs(eng, prompts, 30))
         m = eng.metrics()
         assert m["spec_verify_steps"] > 0 and m["spec_accept_rate"] < 0.5, m
         drafted.append(m["spec_draft_tokens"] / m["spec_verify_steps"])
@@ -107,19 +98,19 @@ def test_adaptive_drafts_cut_the_waste_of_misses():
 
 
 def test_chunk_cuts_and_preemption():
-    prompts = _prompts(8, length=37, seed=1)
+    prompts = random_prompts(VOCAB, 8, length=37, seed=1)
     kw = {"cache.page_size": 4, "cache.num_kv_tokens": 100, "cache.num_mamba_slots": 5,
           "scheduler.chunked_prefill_size": 7, "scheduler.max_running_requests": 6}
-    ref = _outputs(_engine("none", **kw), prompts, 30)
+    ref = greedy_outputs(_engine("none", **kw), prompts, 30)
     eng = _engine(**kw)
-    assert _outputs(eng, prompts, 30) == ref
+    assert greedy_outputs(eng, prompts, 30) == ref
     assert eng.metrics()["preemptions"] > 0 and eng.metrics()["spec_verify_steps"] > 0
     eng.check_integrity()
 
 
 def test_abort_mid_verify_frees_everything():
     eng = _engine(**{"cache.page_size": 4})
-    rids = [eng.add_request(p, greedy(60)) for p in _prompts(4)]
+    rids = [eng.add_request(p, greedy(60)) for p in random_prompts(VOCAB, 4)]
     while eng.metrics()["spec_verify_steps"] < 6:
         eng.step()
     for rid in rids[:2]:
@@ -137,7 +128,7 @@ def test_abort_mid_verify_frees_everything():
 def test_failing_verify_step(lose):
     eng = _engine(runner={"fail_step": lambda step: step == 12, "lose_pools_on_failure": lose},
                   **{"cache.page_size": 4})
-    outs = eng.generate(_prompts(5), greedy(40))
+    outs = eng.generate(random_prompts(VOCAB, 5), greedy(40))
     assert any(o.finish_reason == "error" for o in outs)
     for out in outs:
         if out.finish_reason == "length":
@@ -148,7 +139,7 @@ def test_failing_verify_step(lose):
 
 
 def test_stop_token_inside_accepted_drafts():
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(VOCAB, 1)[0]
     probe = _engine("none")
     expected = probe.runner.expected_output(prompt, 40)
     stop = expected[17]
@@ -163,7 +154,7 @@ def test_stop_token_inside_accepted_drafts():
 def _fuzz(seed: int) -> None:
     rng = np.random.default_rng(seed)
     page = int(rng.choice([1, 2, 4]))
-    prompts = _prompts(int(rng.integers(3, 9)), int(rng.integers(5, 30)), seed)
+    prompts = random_prompts(VOCAB, int(rng.integers(3, 9)), int(rng.integers(5, 30)), seed)
     n = int(rng.integers(5, 40))
     kv = (max(map(len, prompts)) + n + 16 + int(rng.integers(0, 80))) // page * page
     lose, fail_at = bool(rng.random() < 0.5), int(rng.integers(5, 60))
