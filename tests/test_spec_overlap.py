@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from tests.engine_helpers import assert_same_outputs
+from tests.engine_helpers import assert_same_outputs, spec_params, spec_prompts
 from tests.test_mtp import _engine
-from tests.test_speculative_engine import _params, _prompts, _spec_engine, references  # noqa: F401
+from tests.test_speculative_engine import _spec_engine, references  # noqa: F401
 
 CFG = {"cache.page_size": 4, "scheduler.chunked_prefill_size": 13,
        "speculative.num_draft_tokens": 3, "scheduler.check_integrity_every_step": True}
@@ -51,11 +51,11 @@ def test_stops_inside_drafts_sampled(references):  # noqa: F811
     ref = references[True]
     params = [mc.SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, seed=p.seed,
                                 stop_token_ids=(o.output_token_ids[6],))
-              for p, o in zip(_params(True), ref, strict=True)]
+              for p, o in zip(spec_params(True, 12), ref, strict=True)]
     out, pools = {}, {"cache.page_size": 4, "scheduler.chunked_prefill_size": 13}
     for overlap in (False, True):
         eng = _spec_engine(ref, **pools, **{"scheduler.overlap": overlap})
-        out[overlap] = eng.generate(_prompts(), params)
+        out[overlap] = eng.generate(spec_prompts(), params)
         eng.check_integrity()
     assert_same_outputs(out[True], out[False], atol=1e-4)
     assert [o.finish_reason for o in out[True]] == [o.finish_reason for o in out[False]]
