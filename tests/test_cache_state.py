@@ -48,3 +48,24 @@ def test_speculative_states_survive_a_restart():
     assert [n.depth for n in fresh.lru_spec] == [n.depth for n in cache.lru_spec]
     for probe in (shared + _seq(3, 11) + [7], _seq(9, 30) + [2, 3]):
         assert fresh.match_prefix(probe).cached_len == cache.match_prefix(probe).cached_len
+
+
+def test_a_tree_too_big_for_the_slots_loads_nothing():
+    """The pages fit, the slots do not: ``ValueError`` naming both needs and what the cache
+    has, and the cache is left as it was (no page held by nobody: a restore into pools a
+    moved split made smaller leaked every page before)."""
+    cache = make_cache(True, num_pages=512, num_slots=16)
+    for i in range(6):
+        serve(cache, _seq(20 + i, 12), output=(1,))
+    tree = dump_tree(cache)
+    small = make_cache(True, num_pages=512, num_slots=len(tree["slots"]) - 1)
+    before = small.stats()
+    try:
+        load_tree(small, tree)
+    except ValueError as err:
+        assert f"{len(tree['slots'])} state slots" in str(err), err
+        assert f"{len(tree['slots']) - 1} slots" in str(err), err
+    else:
+        raise AssertionError("a tree needing more slots than the cache has loaded")
+    assert small.stats() == before
+    small.check_integrity()

@@ -240,3 +240,32 @@ def test_interrupted_overwrite_keeps_the_old_save(tmp_path, monkeypatch):
     assert all(o.cached_tokens > 0 for o in outs)
     off = make_engine(**CKPT_OVERRIDES, **{"cache.enable": False})
     assert_same_outputs(outs, [off.generate([p], SP)[0] for p in nxt])
+
+
+def test_restore_into_a_moved_split_too_small_changes_nothing(tmp_path):
+    """[rebalance] A save needing more state slots than the engine's pools hold since its
+    device split moved (its config still names the larger split, so the dry run on a cache
+    built from the config passes): ``ValueError`` naming the directory and both sizes; the
+    cache as it was (before: every page of the save held by nobody). Host bookkeeping only:
+    the tree is built on the cache directly, no step runs."""
+    from radix_helpers import serve
+
+    budget = {"cache.num_kv_tokens": 0, "cache.num_mamba_slots": 0,
+              "cache.memory_bytes": 1_606_400, "cache.rebalance": True}
+    saver = make_engine(**budget)
+    splits = saver.rebalancer.splits
+    few = min(range(len(splits)), key=lambda k: splits[k][1])
+    saver.rebalancer.move_now(max(range(len(splits)), key=lambda k: splits[k][1]))
+    rng = np.random.default_rng(3)
+    for _ in range(splits[few][1] + 2):
+        serve(saver.cache, rand_tokens(rng, 12), output=(1,))
+    assert saver.cache.stats()["slots_tree"] > splits[few][1]
+    saver.save(str(tmp_path / "s"))
+    engine = make_engine(**budget)
+    engine.rebalancer.move_now(few)
+    before = engine.cache.stats()
+    with pytest.raises(ValueError, match="state slots") as info:
+        engine.restore(str(tmp_path / "s"))
+    assert str(tmp_path / "s") in str(info.value) and f"{splits[few][1]} slots" in str(info.value)
+    assert engine.cache.stats() == before
+    engine.check_integrity()

@@ -110,6 +110,23 @@ def check_tree_data(tree: Any) -> None:
             raise ValueError(f"saved tree: state {i} has a bad extra_key or spec")
 
 
+def check_room(cache: Any, tree: dict[str, Any]) -> None:
+    """``ValueError`` when ``cache`` cannot take ``tree``'s pages and slots together, as it is
+    now (ids, and bytes under a budget; a moved device split may hold fewer than the config
+    says). ``load_tree`` checks it before allocating anything: a load failing half-way would
+    leave pages held by nobody."""
+    num_pages, num_slots = len(tree["pages"]), len(tree["slots"])
+    has_pages, has_slots = cache.available_pages(), cache.available_slots()
+    fits = num_pages <= has_pages and num_slots <= has_slots
+    budget = getattr(cache, "budget", None)
+    if fits and budget is not None:
+        need = num_pages * budget.page_bytes + num_slots * budget.slot_bytes
+        fits = need <= cache.free_bytes() + cache.evictable_bytes()
+    if not fits:
+        raise ValueError(f"saved cache needs {num_pages} KV pages and {num_slots} state slots; "
+                         f"this engine has {has_pages} pages and {has_slots} slots")
+
+
 def load_tree(cache: Any, tree: dict[str, Any]) -> tuple[dict[int, int], dict[int, int]]:
     """Rebuild ``tree`` (from ``dump_tree``) into the empty ``cache``.
 
@@ -124,12 +141,12 @@ def load_tree(cache: Any, tree: dict[str, Any]) -> tuple[dict[int, int], dict[in
     if not hasattr(cache, "roots"):
         raise ValueError("cannot restore a saved tree into a disabled cache (cache.enable=false)")
     old_pages, old_slots = tree["pages"], tree["slots"]
+    check_room(cache, tree)
     new_pages = cache.alloc_pages(len(old_pages))
     new_slots = cache.alloc_slots(len(old_slots))
-    if new_pages is None or new_slots is None:
-        raise ValueError(
-            f"saved cache needs {len(old_pages)} KV pages and {len(old_slots)} state slots; this "
-            f"engine has {cache.available_pages()} pages and {cache.available_slots()} slots")
+    if new_pages is None or new_slots is None:  # check_room's sums make this unreachable
+        raise AssertionError(f"load_tree: {len(old_pages)} pages and {len(old_slots)} slots "
+                             f"passed the room check but could not be allocated")
     page_map = dict(zip(old_pages, new_pages.tolist(), strict=True))
     slot_map = dict(zip(old_slots, new_slots.tolist(), strict=True))
     firm = [s for s in tree["states"] if not s.get("spec", False)]

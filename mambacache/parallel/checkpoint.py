@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
 from mambacache.cache.radix import make_cache_from_config
-from mambacache.cache.state import check_tree_data, dump_tree, load_tree
+from mambacache.cache.state import check_room, check_tree_data, dump_tree, load_tree
 
 FORMAT_VERSION = 2  # 2: pools in the directory meta.json names, row checksums
 POOL_FIELDS = ("k_pages", "v_pages", "conv", "ssm")
@@ -227,6 +227,7 @@ def restore_cache(engine: Any, path: str | Path) -> None:
         tree = meta["tree"]
         check_tree_data(tree)
         load_tree(make_cache_from_config(engine.cfg.cache), tree)  # the dry run
+        check_room(engine.cache, tree)  # the pools as they are now (a moved split)
         rows = _read_rows(engine, src, meta) if tree["states"] else {}
     except ValueError as err:
         raise ValueError(f"cannot restore the cache from {str(src)!r}: {err}") from None
