@@ -5,7 +5,8 @@ violation showing the check fails:
   * no module reads or writes another object's private attribute: ``engine._x`` / ``sched._x``
     (the engine's objects) nowhere in ``mambacache/``; any ``obj._x`` nowhere in the engine's
     host path and its tools, but ``self._x``, ``cls._x`` and privates of the module's own
-    classes.
+    classes;
+  * no module imports another module's private name (``from mambacache.x import _y``).
 """
 
 from __future__ import annotations
@@ -114,12 +115,28 @@ def private_accesses(sources: dict[str, ast.Module]) -> list[str]:
     return found
 
 
+def private_imports(sources: dict[str, ast.Module]) -> list[str]:
+    """``path:line name`` of every ``from <module> import _name`` (dunders aside) in
+    ``mambacache/``: a private helper another module needs is public under a name of its own."""
+    return [f"{path}:{node.lineno} {alias.name}" for path, tree in sources.items()
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+            if alias.name.startswith("_") and not alias.name.startswith("__")]
+
+
 def test_only_the_lease_writes_lease_fields():
     assert lease_writes(_sources()) == []
 
 
 def test_no_private_access_across_objects():
     assert private_accesses(_sources()) == []
+
+
+def test_no_private_import_across_modules():
+    assert private_imports(_sources()) == []
+    planted = private_imports(_sources("mambacache/bench/report.py",
+                                       "\nfrom mambacache.bench.runner import _helper\n"))
+    assert len(planted) == 1 and planted[0].startswith("mambacache/bench/report.py"), planted
 
 
 @pytest.mark.parametrize("planted", [

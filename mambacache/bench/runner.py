@@ -15,13 +15,16 @@ import dataclasses
 import heapq
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mambacache.bench.workloads import BenchItem, IdealHits, check_ints
 from mambacache.engine.compiles import count_compiles
 from mambacache.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
 
 ARRIVALS = ("all", "poisson")
 
@@ -71,7 +74,7 @@ def _arrival_times(bench: BenchSection, n: int) -> np.ndarray:
     return np.cumsum(rng.exponential(1.0 / bench.rate, n))
 
 
-def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
+def run_pass(engine: Engine, source: Any, bench: BenchSection, *, label: str = "",
              progress: bool = False) -> dict[str, Any]:
     """Drive ``source`` through ``engine`` to completion; returns the pass statistics."""
     ideal = IdealHits()
@@ -91,7 +94,7 @@ def run_pass(engine: Any, source: Any, bench: BenchSection, *, label: str = "",
     return stats
 
 
-def _drive(engine: Any, source: Any, bench: BenchSection, ideal: IdealHits,
+def _drive(engine: Engine, source: Any, bench: BenchSection, ideal: IdealHits,
            done: list[Finished], bar: Any, t0: float) -> None:
     """The closed loop: send what is due (arrival times, concurrency cap), step, follow up."""
     order = itertools.count()
@@ -134,7 +137,7 @@ def _progress_bar(total: int, label: str):
                 mininterval=0.5)
 
 
-def _dist(prefix: str, values: list[float]) -> dict[str, float | None]:
+def distribution(prefix: str, values: list[float]) -> dict[str, float | None]:
     """Mean, p50, p99 of ``values``; None when there are none (e.g. TPOT of 1-token outputs)."""
     if not values:
         return {f"{prefix}_{s}": None for s in ("mean", "p50", "p99")}
@@ -155,9 +158,9 @@ def summarize(done: list[Finished], duration_s: float) -> dict[str, Any]:
            "input_throughput": input_tokens / duration_s,
            "output_throughput": output_tokens / duration_s,
            "total_token_throughput": (input_tokens + output_tokens) / duration_s}
-    out.update(_dist("ttft", [f.ttft_s for f in ok]))
-    out.update(_dist("tpot", tpots))
-    out.update(_dist("e2e_latency", [f.latency_s for f in ok]))
+    out.update(distribution("ttft", [f.ttft_s for f in ok]))
+    out.update(distribution("tpot", tpots))
+    out.update(distribution("e2e_latency", [f.latency_s for f in ok]))
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from mambacache.bench.runner import Finished, _dist, summarize
+from mambacache.bench.runner import Finished, distribution, summarize
 from mambacache.bench.serving_client import Reply, send_completion
 from mambacache.bench.workloads import GeneratedSharedPrefix, IdealHits, MultiTurn, NoReuse
 
@@ -145,7 +145,7 @@ def report(replies: list[tuple[int, Reply]], duration_s: float, ideal: IdealHits
             for n, r in replies]
     out = summarize(done, duration_s)
     ok = [r for _, r in replies if r.error is None]
-    out.update(_dist("itl", [x for r in ok for x in r.itl_s]))
+    out.update(distribution("itl", [x for r in ok for x in r.itl_s]))
     prompt = sum(n for n, r in replies if r.error is None)
     cached = sum(r.cached_tokens for r in ok)
     out.update(cached_tokens=cached, cached_share=cached / prompt if prompt else 0.0,

@@ -24,7 +24,10 @@ slots is a ``ValueError`` with the numbers). Host only: no JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mambacache.config import CacheConfig
 
 GIB = 2**30
 #: device pools are two fixed arrays (not rebalanced between steps): a budget is split so that
@@ -126,7 +129,7 @@ class PoolPlan:
                 f"{self.num_slots} state slots of {self.slot_bytes} bytes")
 
 
-def plan_pools(cache_cfg: Any, page_bytes: int, slot_bytes: int, *, context_len: int,
+def plan_pools(cache_cfg: CacheConfig, page_bytes: int, slot_bytes: int, *, context_len: int,
                max_running: int, memory_bytes: int | None = None,
                state_share: float = 0.0) -> PoolPlan:
     """Pool sizes from ``cache_cfg`` (a ``CacheConfig``) and the model's byte sizes.

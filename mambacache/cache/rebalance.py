@@ -19,10 +19,13 @@ hits per byte, measured, with hysteresis: one neighbour at a time, and not on on
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mambacache.cache.budget import DEVICE_STATE_SHARE_RANGE
-from mambacache.cache.tuning import RequestLog, _replay
+from mambacache.cache.tuning import RequestLog, shadow_hits
+
+if TYPE_CHECKING:
+    from mambacache.cache.radix import MambaRadixCache
 
 #: the splits' state shares: the formula's, and this many bytes of the budget apart
 REBALANCE_STEP = 0.15
@@ -76,13 +79,14 @@ class SplitTuner(RequestLog):
         self.due = self.due or due
         return due
 
-    def tune(self, cache: Any, splits: tuple[tuple[int, int], ...], current: int) -> int:
+    def tune(self, cache: MambaRadixCache, splits: tuple[tuple[int, int], ...],
+             current: int) -> int:
         """The split to move to (``current`` to stay): see the module docstring."""
         self.due = False
         reqs = list(self.requests)
         conc = self.concurrency()
         alpha = float(getattr(cache.policy, "alpha", 0.0))
-        hits = {i: _replay(cache, reqs, len(reqs) // 2, alpha, conc, *splits[i])
+        hits = {i: shadow_hits(cache, reqs, len(reqs) // 2, alpha, conc, *splits[i])
                 for i in (current - 1, current, current + 1) if 0 <= i < len(splits)}
         best = max(hits, key=lambda i: (hits[i], i == current))
         if hits[best] <= hits[current] * (1 + self.margin):

@@ -19,7 +19,7 @@ sampled token is never fed to the model). Used by the ``flop_aware`` tuner's sha
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,8 +30,11 @@ from mambacache.cache.snapshot_plan import (
     plan_snapshots,
 )
 
+if TYPE_CHECKING:
+    from mambacache.cache.radix import MambaRadixCache
 
-def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interval: int,
+
+def _admit(cache: MambaRadixCache, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interval: int,
            running_bytes: int | None = None):
     """Match, lock, running slot, pages, planned snapshots; None if the pools are short, or
     (``running_bytes`` of requests in flight given) the budget's admission cap holds it back."""
@@ -60,7 +63,7 @@ def _admit(cache: Any, prompt: np.ndarray, tokens: np.ndarray, checkpoint_interv
     return m, int(slot[0]), all_pages, snaps
 
 
-def _finish(cache: Any, tokens: np.ndarray, m: Any, slot: int, pages: np.ndarray,
+def _finish(cache: MambaRadixCache, tokens: np.ndarray, m: Any, slot: int, pages: np.ndarray,
             snaps: dict[int, int]) -> None:
     total = len(tokens) + 1
     if end_snapshot_is_running_state(total, cache.page_size):
@@ -71,7 +74,7 @@ def _finish(cache: Any, tokens: np.ndarray, m: Any, slot: int, pages: np.ndarray
     cache.unlock(m.node)
 
 
-def replay(cache: Any, requests: list[tuple[np.ndarray, np.ndarray]],
+def replay(cache: MambaRadixCache, requests: list[tuple[np.ndarray, np.ndarray]],
            checkpoint_interval: int = 0, concurrency: int = 1,
            scored_from: int = 0) -> dict[str, int]:
     """Run ``requests`` through ``cache``; ``{"prompt_tokens", "cached_tokens", "dropped"}``

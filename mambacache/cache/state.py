@@ -12,11 +12,14 @@ is unaffected).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mambacache.cache.node import Node
+
+if TYPE_CHECKING:
+    from mambacache.cache.radix import MambaRadixCache
 
 
 def _path_tokens(node: Node) -> np.ndarray:
@@ -36,7 +39,7 @@ def _walk(root: Node):
         stack.extend(node.children.values())
 
 
-def dump_tree(cache: Any) -> dict[str, Any]:
+def dump_tree(cache: MambaRadixCache) -> dict[str, Any]:
     """``{"page_size", "pages": [old page ids], "slots": [old slot ids], "states": [...]}``.
 
     ``states`` lists every node holding a state, least recently used first: ``{"extra_key",
@@ -110,7 +113,7 @@ def check_tree_data(tree: Any) -> None:
             raise ValueError(f"saved tree: state {i} has a bad extra_key or spec")
 
 
-def check_room(cache: Any, tree: dict[str, Any]) -> None:
+def check_room(cache: MambaRadixCache, tree: dict[str, Any]) -> None:
     """``ValueError`` when ``cache`` cannot take ``tree``'s pages and slots together, as it is
     now (ids, and bytes under a budget; a moved device split may hold fewer than the config
     says). ``load_tree`` checks it before allocating anything: a load failing half-way would
@@ -127,7 +130,8 @@ def check_room(cache: Any, tree: dict[str, Any]) -> None:
                          f"this engine has {has_pages} pages and {has_slots} slots")
 
 
-def load_tree(cache: Any, tree: dict[str, Any]) -> tuple[dict[int, int], dict[int, int]]:
+def load_tree(cache: MambaRadixCache,
+              tree: dict[str, Any]) -> tuple[dict[int, int], dict[int, int]]:
     """Rebuild ``tree`` (from ``dump_tree``) into the empty ``cache``.
 
     Returns ``(page_map, slot_map)``: old id -> new id. ``ValueError`` if the cache's page size

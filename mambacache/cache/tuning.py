@@ -23,11 +23,14 @@ they approximate the real pressure; they rank the candidates, nothing more.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mambacache.cache.replay import replay
+
+if TYPE_CHECKING:
+    from mambacache.cache.radix import MambaRadixCache
 
 GRID = (0.0, 0.25, 1.0, 4.0)
 
@@ -102,7 +105,7 @@ class AlphaTuner(RequestLog):
         the alpha in use."""
         reqs = list(self.requests)
         conc = self.concurrency()
-        hits = [_replay(cache, reqs, len(reqs) // 2, alpha, conc) for alpha in self.grid]
+        hits = [shadow_hits(cache, reqs, len(reqs) // 2, alpha, conc) for alpha in self.grid]
         best = max(range(len(hits)), key=lambda i: (hits[i], -i))
         if hits[best] <= hits[0] * (1 + self.margin):
             best = 0
@@ -114,9 +117,9 @@ class AlphaTuner(RequestLog):
         return self.alpha
 
 
-def _replay(cache: Any, requests: list, scored_from: int, alpha: float,
-            concurrency: int = 1, num_pages: int | None = None,
-            num_slots: int | None = None) -> int:
+def shadow_hits(cache: MambaRadixCache, requests: list, scored_from: int, alpha: float,
+                concurrency: int = 1, num_pages: int | None = None,
+                num_slots: int | None = None) -> int:
     """Prompt tokens hit by a shadow of ``cache`` over ``requests[scored_from:]`` with
     ``alpha``, after ``requests[:scored_from]`` warmed it up; ``concurrency`` requests in flight,
     snapshots planned by the shadow itself. Pools: ``num_pages`` / ``num_slots`` ids, else the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,10 +11,12 @@ from mambacache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine
+    from models.config import ModelConfig
 
 
 def validate_request(prompt: Sequence[int] | np.ndarray, params: SamplingParams,
-                     extra_key: object, model_cfg: Any, kv_capacity_tokens: int) -> np.ndarray:
+                     extra_key: object, model_cfg: ModelConfig,
+                     kv_capacity_tokens: int) -> np.ndarray:
     """The prompt as ``int32[n]``; a ``ValueError`` naming the value and the limit otherwise.
     ``model_cfg``: any model config with ``vocab_size`` and ``max_position_embeddings``;
     ``kv_capacity_tokens``: what the whole KV pool holds (``CacheManager.kv_capacity_tokens``)."""

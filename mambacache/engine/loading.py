@@ -4,9 +4,12 @@ preset) and ``model_dtype``. Imports JAX and the model lazily, so the host-only 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mambacache.config import EngineConfig
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
 
 
 def model_dtype(cfg: EngineConfig) -> Any:
@@ -74,7 +77,7 @@ def _memory_limit_bytes() -> int:
     return 2**63
 
 
-def _check_random_init_fits(preset: str, model_cfg: Any, dtype: Any) -> None:
+def _check_random_init_fits(preset: str, model_cfg: ModelConfig, dtype: Any) -> None:
     """A real-size preset (``models/hf_configs/``) is a published model's shape without its
     weights: random-initialising it is allowed (benchmarks at real size) only where the weights
     fit, else a ``ValueError`` with the numbers before anything is allocated."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
 
 
 @dataclasses.dataclass
@@ -30,7 +33,7 @@ class EngineMetrics:
     _busy_after: bool = False
     _flight_t: float = 0.0
 
-    def on_step(self, engine: Any, scheduled: list, *, host_s: float, wall_s: float,
+    def on_step(self, engine: Engine, scheduled: list, *, host_s: float, wall_s: float,
                 busy_s: float = 0.0, t_start: float | None = None) -> None:
         self.busy_s += busy_s
         gap = t_start - self._last_end if t_start is not None and self._last_end else 0.0
@@ -80,7 +83,7 @@ class EngineMetrics:
         self.prompt_tokens += req.prompt_len
         self.cached_tokens += req.cached_tokens
 
-    def as_dict(self, engine: Any) -> dict[str, Any]:
+    def as_dict(self, engine: Engine) -> dict[str, Any]:
         stats = engine.cache.stats()
         out = {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
         out.update(
@@ -115,7 +118,7 @@ class EngineMetrics:
         return out
 
 
-def kv_bytes_per_token(engine: Any) -> dict[str, int]:
+def kv_bytes_per_token(engine: Engine) -> dict[str, int]:
     """Bytes of KV pool one cached token takes over all attention layers (MLA: its latent row)
     and what per-head K and V would take (equal unless the model has MLA layers)."""
     cfg = engine.model_cfg

@@ -26,17 +26,20 @@ above the cache's), tensor parallelism or a host tier: a ``ValueError`` at start
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
 from mambacache.cache.rebalance import SplitTuner
 
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
+
 
 class Rebalancer:
     """The engine's moving device split (module docstring)."""
 
-    def __init__(self, engine: Any, tuner: SplitTuner | None = None):
+    def __init__(self, engine: Engine, tuner: SplitTuner | None = None):
         cfg = engine.cfg
         for bad, what in ((cfg.speculative.enabled, "speculative decoding"),
                           (cfg.parallel.tensor_parallel > 1, "tensor parallelism"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,10 @@ from mambacache.engine.pools import PoolState
 from mambacache.engine.step_plan import SeqSpec
 from models.model import forward
 from pallas_kernels.fixed_order import log_softmax
+
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
+    from models.config import ModelConfig
 
 MAX_TOP_N = 20  # OpenAI's limit for top_logprobs; computed always, sliced on the host
 MIN_TOKENS_BUCKET = 16
@@ -49,7 +53,7 @@ def tokens_bucket(n: int) -> int:
 
 
 @functools.cache
-def _score_fn(cfg: Any, kernels: str):
+def _score_fn(cfg: ModelConfig, kernels: str):
     def run(params, pools, batch, targets):
         _, logits = forward(params, pools, batch, cfg=cfg, kernels=kernels)
         # [deterministic] the same fixed-order sum as the sampler's logprobs
@@ -65,7 +69,7 @@ def _score_fn(cfg: Any, kernels: str):
 class Scorer:
     """Scores sequences with ``engine``'s model on scratch pools (grown to the longest bucket)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         if getattr(engine, "mesh", None) is not None:
             raise ValueError("prompt / top logprobs need a one-device engine; this one is "
                              "tensor parallel (parallel.tensor_parallel > 1)")

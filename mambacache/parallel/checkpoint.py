@@ -22,7 +22,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,13 @@ from jax.sharding import SingleDeviceSharding
 
 from mambacache.cache.radix import make_cache_from_config
 from mambacache.cache.state import check_room, check_tree_data, dump_tree, load_tree
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from mambacache.engine.engine import Engine
+    from mambacache.engine.pools import PoolState
+    from models.config import ModelConfig
 
 FORMAT_VERSION = 2  # 2: pools in the directory meta.json names, row checksums
 POOL_FIELDS = ("k_pages", "v_pages", "conv", "ssm")
@@ -49,7 +56,7 @@ def _restore_tree(path: Path, target: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ params
-def model_config_dict(model_cfg: Any) -> dict[str, Any]:
+def model_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
     d = dataclasses.asdict(model_cfg)
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
@@ -67,7 +74,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, dtype: Any = jn
     return model_cfg
 
 
-def save_params(out_dir: str | Path, model_cfg: Any, params: Any) -> None:
+def save_params(out_dir: str | Path, model_cfg: ModelConfig, params: Any) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _save_tree(out / "params", {"params": params})
@@ -79,7 +86,8 @@ def save_params(out_dir: str | Path, model_cfg: Any, params: Any) -> None:
                                                indent=1))
 
 
-def restore_params(out_dir: str | Path, mesh: Any = None, dtype: Any = None) -> tuple[Any, Any]:
+def restore_params(out_dir: str | Path, mesh: Mesh | None = None,
+                   dtype: Any = None) -> tuple[ModelConfig, Any]:
     """``(model_cfg, params)`` from ``convert_hf_to_orbax``'s ``out_dir``, each leaf restored
     directly with its tensor-parallel sharding on ``mesh`` (``None``: the default device)."""
     from mambacache.parallel.mesh import param_shardings
@@ -118,13 +126,13 @@ def _checksums(params: Any) -> jax.Array:
     return jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in leaves])
 
 
-def model_fingerprint(engine: Any) -> dict[str, Any]:
+def model_fingerprint(engine: Engine) -> dict[str, Any]:
     """What must match for a saved cache to be valid: the model config, dtype, param sums."""
     return {"model": model_config_dict(engine.model_cfg), "dtype": engine.cfg.model.dtype,
             "param_checksums": np.asarray(_checksums(engine.runner.params)).tolist()}
 
 
-def pool_layout(pools: Any, page_size: int) -> dict[str, Any]:
+def pool_layout(pools: PoolState, page_size: int) -> dict[str, Any]:
     """Per field: per-row shape (axis 0 dropped) and dtype of each layer's pool."""
     out: dict[str, Any] = {"page_size": page_size}
     for f in POOL_FIELDS:
@@ -132,14 +140,14 @@ def pool_layout(pools: Any, page_size: int) -> dict[str, Any]:
     return out
 
 
-def _require_idle(engine: Any, verb: str) -> None:
+def _require_idle(engine: Engine, verb: str) -> None:
     if engine.has_unfinished():
         raise ValueError(f"cannot {verb} the cache while requests run "
                          f"({len(engine.scheduler.running)} running, "
                          f"{len(engine.scheduler.waiting)} waiting)")
 
 
-def save_cache(engine: Any, path: str | Path) -> None:
+def save_cache(engine: Engine, path: str | Path) -> None:
     """Write the rows of the tree's pages and slots (Orbax, in the order of
     ``meta["tree"]["pages"/"slots"]``) to a fresh ``path/pools-<id>``, then ``path/meta.json``
     (fingerprint, layout, tree, that directory's name, the rows' checksums) atomically and last,
@@ -169,7 +177,7 @@ def save_cache(engine: Any, path: str | Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _gather_rows(pools: Any, pages: np.ndarray, slots: np.ndarray) -> dict[str, jax.Array]:
+def _gather_rows(pools: PoolState, pages: np.ndarray, slots: np.ndarray) -> dict[str, jax.Array]:
     if not len(pages) and not len(slots):
         return {}
     out = {}
@@ -187,7 +195,7 @@ def _row_checksums(rows: dict[str, jax.Array]) -> dict[str, float]:
     return dict(zip(sorted(rows), sums, strict=True))
 
 
-def check_compatible(engine: Any, meta: dict[str, Any]) -> None:
+def check_compatible(engine: Engine, meta: dict[str, Any]) -> None:
     """``ValueError`` naming the first difference between a saved cache and ``engine``."""
     if meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"saved cache format {meta.get('version')!r}, expected {FORMAT_VERSION}")
@@ -210,7 +218,7 @@ def check_compatible(engine: Any, meta: dict[str, Any]) -> None:
                          f"{[layout[k] for k in bad]})")
 
 
-def restore_cache(engine: Any, path: str | Path) -> None:
+def restore_cache(engine: Engine, path: str | Path) -> None:
     """Load ``save_cache``'s output into ``engine`` (idle, with an empty cache), all or nothing:
     the meta, the model, the layout, the tree (rebuilt in a scratch cache first) and the pool
     rows (shapes and checksums) are checked before the engine is touched. Any failure is a
@@ -265,7 +273,7 @@ def _read_meta(src: Path) -> dict[str, Any]:
     return meta
 
 
-def _read_rows(engine: Any, src: Path, meta: dict[str, Any]) -> dict[str, jax.Array]:
+def _read_rows(engine: Engine, src: Path, meta: dict[str, Any]) -> dict[str, jax.Array]:
     """The saved pool rows, checked against the tree's counts and ``meta``'s checksums."""
     name, tree = meta["pools"], meta["tree"]
     if not isinstance(name, str) or not re.fullmatch(r"pools[-\w]*", name):
@@ -288,7 +296,7 @@ def _read_rows(engine: Any, src: Path, meta: dict[str, Any]) -> dict[str, jax.Ar
     return rows
 
 
-def _row_shapes(pools: Any, num_pages: int, num_slots: int) -> dict[str, Any]:
+def _row_shapes(pools: PoolState, num_pages: int, num_slots: int) -> dict[str, Any]:
     out = {}
     for f in POOL_FIELDS:
         n = num_pages if f in ("k_pages", "v_pages") else num_slots

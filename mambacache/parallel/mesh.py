@@ -24,7 +24,7 @@ reason: the layers need only their all-reduces.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -32,6 +32,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.ops import TP_AXIS
+
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
+    from mambacache.engine.pools import PoolState
+    from models.config import ModelConfig
 
 TP = TP_AXIS  # one name for the mesh axis, shared with the kernel ops
 
@@ -47,7 +52,8 @@ _PARAM_AXIS = {
 _MLP_AXIS = {"gate_up": 1, "up": 1, "down": 0}  # dense MLP; MoE experts use axis 0 instead
 
 
-def validate_tensor_parallel(model_cfg: Any, tp: int, num_devices: int | None = None) -> None:
+def validate_tensor_parallel(model_cfg: ModelConfig, tp: int,
+                             num_devices: int | None = None) -> None:
     """``ValueError`` unless ``tp`` divides every head count it splits and fits the devices."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"parallel.tensor_parallel must be a positive int, got {tp!r}")
@@ -74,7 +80,7 @@ def validate_tensor_parallel(model_cfg: Any, tp: int, num_devices: int | None = 
                              f"({value})")
 
 
-def replicate_kv_heads(model_cfg: Any, tp: int) -> Any:
+def replicate_kv_heads(model_cfg: ModelConfig, tp: int) -> Any:
     """``model_cfg`` with each KV head repeated ``tp / Hkv`` times when ``tp`` exceeds the KV
     heads (Qwen3-Next: 2 KV heads at TP 8), so every device holds the one KV head its query
     heads read (vLLM's rule); the same math with ``k`` / ``v`` columns repeated in
@@ -153,7 +159,7 @@ def pool_field_sharding(mesh: Mesh):
     return lambda field, shape: NamedSharding(mesh, _fit(specs[field], shape, tp))
 
 
-def pool_shardings(pools: Any, mesh: Mesh) -> Any:
+def pool_shardings(pools: PoolState, mesh: Mesh) -> Any:
     """``PoolState`` of ``NamedSharding`` (same tree as ``pools``)."""
     specs, tp = pool_specs(), mesh.shape[TP]
     return pools.replace(**{f: tuple(NamedSharding(mesh, _fit(specs[f], a.shape, tp))
@@ -177,7 +183,7 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(one, tree, shardings)
 
 
-def shard_engine(engine: Any) -> Any:
+def shard_engine(engine: Engine) -> Any:
     """Put ``engine``'s params and pools onto a ``cfg.parallel.tensor_parallel`` mesh (the
     engine's, else a new one) and make its runner compile the step with those shardings
     (``Engine.__init__`` calls this and keeps the mesh returned). Writes nothing of the engine's

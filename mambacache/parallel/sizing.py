@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,10 @@ from mambacache.engine.runner import jitted_sharded_step
 from mambacache.engine.sampling import SamplingBatch
 from mambacache.engine.step_plan import SeqSpec
 from mambacache.parallel.mesh import param_shardings, pool_shardings, replicated
+
+if TYPE_CHECKING:
+    from mambacache.config import EngineConfig
+    from models.config import ModelConfig
 
 #: the plan's cache.memory_fraction when the config sets none (SGLang's mem_fraction_static)
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -58,12 +62,12 @@ class StepMemory:
     optimal_seconds: float
 
 
-def memory_fraction(cfg: Any) -> float:
+def memory_fraction(cfg: EngineConfig) -> float:
     """``cache.memory_fraction``, or ``DEFAULT_MEMORY_FRACTION`` when it is unset (0)."""
     return float(getattr(cfg.cache, "memory_fraction", 0.0) or DEFAULT_MEMORY_FRACTION)
 
 
-def largest_step_shapes(cfg: Any, model_cfg: Any) -> dict[str, StepShape]:
+def largest_step_shapes(cfg: EngineConfig, model_cfg: ModelConfig) -> dict[str, StepShape]:
     """The engine's widest programs (``warmup.engine_buckets``' program set, pages for the
     model's whole context): the extend step with the most tokens and logits rows, and the
     widest decode step."""
@@ -80,14 +84,14 @@ def largest_step_shapes(cfg: Any, model_cfg: Any) -> dict[str, StepShape]:
     }
 
 
-def abstract_params(model_cfg: Any, dtype: Any) -> Any:
+def abstract_params(model_cfg: ModelConfig, dtype: Any) -> Any:
     """The params' ``ShapeDtypeStruct`` tree (``models.sizes``); nothing allocated."""
     from models.sizes import abstract_params as shapes
 
     return shapes(model_cfg, dtype)
 
 
-def abstract_pools(model_cfg: Any, num_pages: int, page_size: int, num_slots: int,
+def abstract_pools(model_cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
                    dtype: Any) -> PoolState:
     return jax.eval_shape(lambda: PoolState.create(model_cfg, num_pages, page_size, num_slots,
                                                    dtype))
@@ -126,7 +130,7 @@ def out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e)
 
 
-def unit_bytes(model_cfg: Any, mesh: Mesh, page_size: int, dtype: Any) -> tuple[int, int]:
+def unit_bytes(model_cfg: ModelConfig, mesh: Mesh, page_size: int, dtype: Any) -> tuple[int, int]:
     """Per device: bytes of one state slot (conv + SSM rows of every linear layer) and of one
     KV page (``page_size`` tokens in every attention layer), from ``PoolState.create``'s
     shapes as the devices lay them out."""
@@ -159,7 +163,7 @@ def step_args(shapes: StepShape, page_size: int, params: Any, pools: PoolState,
             _abstract(pools, pool_shardings(pools, mesh))) + host
 
 
-def compile_step(model_cfg: Any, shapes: StepShape, *, params: Any, pools: PoolState,
+def compile_step(model_cfg: ModelConfig, shapes: StepShape, *, params: Any, pools: PoolState,
                  page_size: int, kernels: str, mesh: Mesh) -> StepMemory:
     """Compile the engine's jitted step (``runner.jitted_sharded_step``) for ``mesh``'s devices
     at ``shapes`` and read its per-device memory and cost."""
@@ -178,8 +182,8 @@ def compile_step(model_cfg: Any, shapes: StepShape, *, params: Any, pools: PoolS
         optimal_seconds=float(cost.get("optimal_seconds", 0.0) or 0.0))
 
 
-def step_memories(model_cfg: Any, cfg: Any, shapes: dict[str, StepShape], *, params: Any,
-                  mesh: Mesh, dtype: Any, kernels: str) -> dict[str, StepMemory]:
+def step_memories(model_cfg: ModelConfig, cfg: EngineConfig, shapes: dict[str, StepShape], *,
+                  params: Any, mesh: Mesh, dtype: Any, kernels: str) -> dict[str, StepMemory]:
     """Every program of ``shapes`` compiled for ``mesh`` with pools of 64 pages and
     ``max_running_requests + 1`` slots: the pools' own bytes are ``unit_bytes`` arithmetic and
     the donated pools alias their outputs. The temporaries still grow a little with the pools
@@ -192,7 +196,7 @@ def step_memories(model_cfg: Any, cfg: Any, shapes: dict[str, StepShape], *, par
             for name, sh in shapes.items()}
 
 
-def device_cache_budget(cfg: Any, model_cfg: Any, params: Any, mesh: Mesh) -> int:
+def device_cache_budget(cfg: EngineConfig, model_cfg: ModelConfig, params: Any, mesh: Mesh) -> int:
     """The engine's cache budget per device on this machine's devices (``mesh``), by the plan's
     path: the allocator's ``bytes_limit`` minus the params' device share on ``mesh`` minus the
     largest step program's temporaries and code, times ``cache.memory_fraction``.

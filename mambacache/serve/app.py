@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +37,11 @@ from mambacache.serve.scored_logprobs import scored_response, scoring_request
 from mambacache.serve.scored_logprobs import stream_chunks as scored_stream_chunks
 from mambacache.serve.tokenizer import encode_chat
 
+if TYPE_CHECKING:
+    from mambacache.config import ServeConfig
+    from mambacache.engine.engine import Engine
+    from mambacache.serve.tokenizer import Tokenizer
+
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the answer
 
 
@@ -48,7 +53,8 @@ def http_names(text: str) -> str:
 class Server:
     """What the routes share: the engine loop, the tokenizer, the ``[serve]`` section."""
 
-    def __init__(self, engine: Any, tokenizer: Any, serve_cfg: Any, *, model_name: str):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, serve_cfg: ServeConfig, *,
+                 model_name: str):
         self.cfg = serve_cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -182,7 +188,8 @@ class Server:
         yield sse("[DONE]")
 
 
-def create_app(engine: Any, tokenizer: Any, serve_cfg: Any, *, model_name: str) -> FastAPI:
+def create_app(engine: Engine, tokenizer: Tokenizer, serve_cfg: ServeConfig, *,
+               model_name: str) -> FastAPI:
     """The app over ``engine`` (``serve_cfg``: the ``[serve]`` section); its lifespan starts the
     engine thread (warm-up first) and stops it."""
     server = Server(engine, tokenizer, serve_cfg, model_name=model_name)

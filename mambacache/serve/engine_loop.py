@@ -29,10 +29,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mambacache.engine.request import RequestOutput
 from mambacache.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 WARMUP_PROMPT = list(range(1, 17))
@@ -77,7 +80,7 @@ class EngineLoop:
     """Owns ``engine`` and the thread that steps it. ``observer`` (optional) gets
     ``first_token(s)``, ``inter_token(s)``, ``finished(output, e2e_s)`` from that thread."""
 
-    def __init__(self, engine: Any, *, max_waiting: int, observer: Any = None,
+    def __init__(self, engine: Engine, *, max_waiting: int, observer: Any = None,
                  warmup: bool = True, warmup_max_seq_len: int | None = None):
         self.engine = engine
         self.capacity = engine.cfg.scheduler.max_running_requests + max_waiting
@@ -157,7 +160,7 @@ class EngineLoop:
 
     # ---- the engine thread -----------------------------------------------------------------
 
-    def _add(self, engine: Any, stream: RequestStream, prompt: Sequence[int],
+    def _add(self, engine: Engine, stream: RequestStream, prompt: Sequence[int],
              params: SamplingParams, extra_key: str | None) -> None:
         try:
             stream.request_id = engine.add_request(prompt, params, extra_key=extra_key)
@@ -166,7 +169,7 @@ class EngineLoop:
             raise
         self._live[stream.request_id] = stream
 
-    def _abort(self, engine: Any, stream: RequestStream) -> None:
+    def _abort(self, engine: Engine, stream: RequestStream) -> None:
         if self._live.pop(stream.request_id, None) is None:
             return
         out = engine.abort(stream.request_id)

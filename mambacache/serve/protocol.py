@@ -47,11 +47,11 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # unknown names: lenient.py
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -59,7 +59,7 @@ TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)]
 
 
-class _Sampling(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by both endpoints (OpenAI's names; ``top_k``, ``ignore_eos``,
     ``stop_token_ids``, ``return_token_ids`` are the usual server extensions; ``cache_salt``,
     vLLM's: requests match only cached prefixes sent with the same salt)."""
@@ -86,7 +86,7 @@ class _Sampling(_Strict):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _at_most_max_stop_strings(cls, value: Any) -> Any:
+    def at_most_max_stop_strings(cls, value: Any) -> Any:
         """The count first: a long list otherwise fails as "not a valid string" (the union)."""
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"{len(value)} stop strings, the limit is {MAX_STOP_STRINGS}")
@@ -99,7 +99,7 @@ class _Sampling(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -108,12 +108,12 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(default=None, ge=1, le=1)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -124,7 +124,7 @@ class Message(_Strict):
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[Message] = Field(min_length=1)
@@ -144,7 +144,7 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def parse_request(body: bytes, model: type[_Strict]) -> Any:
+def parse_request(body: bytes, model: type[StrictModel]) -> Any:
     """The validated request, or an ``ApiError`` naming the first bad field and its limit."""
     try:
         return model.model_validate_json(body)

@@ -14,10 +14,13 @@ logprobs are refused in a stream (400).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mambacache.engine.scoring import Scored, Scorer
 from mambacache.serve.protocol import ApiError, ChatRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from mambacache.engine.engine import Engine
 
 Piece = Callable[[int], str]
 
@@ -36,7 +39,7 @@ def scoring_request(req: CompletionRequest | ChatRequest, chat: bool,
     return top_n, echo
 
 
-def scorer(server: Any, engine: Any) -> Scorer:
+def scorer(server: Any, engine: Engine) -> Scorer:
     """The server's scorer (made on first use, in the engine thread)."""
     if getattr(server, "_scorer", None) is None:
         server._scorer = Scorer(engine)

@@ -48,9 +48,9 @@ from mambacache.serve.protocol import (
     N_LIMIT,
     ApiError,
     MaxTokens,
+    SamplingFields,
+    StrictModel,
     TokenId,
-    _Sampling,
-    _Strict,
     parse_request,
 )
 from mambacache.serve.responses import sse
@@ -65,7 +65,7 @@ def version() -> str:
         return "0+unknown"
 
 
-class SglSampling(_Strict):
+class SglSampling(StrictModel):
     """``sampling_params`` of ``/generate`` (SGLang's names; unknown keys ignored)."""
 
     max_new_tokens: MaxTokens = SGLANG_DEFAULT_MAX_NEW_TOKENS
@@ -73,7 +73,7 @@ class SglSampling(_Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, le=TOP_K_LIMIT)
     stop: Annotated[str | list[str] | None,
-                    BeforeValidator(_Sampling._at_most_max_stop_strings)] = None
+                    BeforeValidator(SamplingFields.at_most_max_stop_strings)] = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=N_LIMIT)
@@ -84,10 +84,10 @@ class SglSampling(_Strict):
     json_schema: str | None = None  # structured.py
     regex: str | None = None
 
-    stop_strings = _Sampling.stop_strings  # the OpenAI routes' reading of ``stop``
+    stop_strings = SamplingFields.stop_strings  # the OpenAI routes' reading of ``stop``
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictModel):
     """``POST /generate``: ``text`` or ``input_ids``, one prompt or a batch."""
 
     text: str | list[str] | None = None
