@@ -20,6 +20,8 @@ SPEC_METHODS = ("none", "ngram", "mtp")
 MAX_DRAFT_TOKENS = 16
 #: most branches of a speculative draft tree (``speculative.topk``)
 MAX_DRAFT_BRANCHES = 8
+#: the most decode iterations one dispatch runs (``scheduler.decode_steps``)
+MAX_DECODE_STEPS = 64
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -207,16 +209,25 @@ class SchedulerConfig:
 
     ``overlap``: step N+1 is scheduled and dispatched before step N's sampled tokens are read
     (they reach step N+1 on the device); ``False`` reads each step's tokens before the next.
+
+    ``decode_steps`` (K >= 1): a step whose rows all decode, with nothing waiting that could be
+    admitted, runs K decode iterations in one dispatch and the host reads K tokens per row
+    (``engine/multi_step.py``: stops frozen on the device; outputs those of K = 1). 1: one
+    token per step.
     """
 
     max_running_requests: int = 16
     chunked_prefill_size: int = 256
     check_integrity_every_step: bool = False
     overlap: bool = True
+    decode_steps: int = 1
 
     def __post_init__(self):
         _positive("scheduler.max_running_requests", self.max_running_requests)
         _positive("scheduler.chunked_prefill_size", self.chunked_prefill_size)
+        _require(type(self.decode_steps) is int and 1 <= self.decode_steps <= MAX_DECODE_STEPS,
+                 f"scheduler.decode_steps must be an int in [1, {MAX_DECODE_STEPS}], got "
+                 f"{self.decode_steps!r}")
         _require(isinstance(self.overlap, bool),
                  f"scheduler.overlap must be a bool, got {self.overlap!r}")
 

@@ -11,7 +11,10 @@ fixed read-only tokens, a few hundred instructions a step):
 ``trace``: ``shared_prefix_trace(--requests, 16, 512, 64, output_len=16)`` through
 ``mambacache.bench.simulate`` (200k KV tokens, 256 state slots), per request. ``decode``:
 ``--concurrency`` requests of 576 random tokens decoding, ``--steps`` steady decode steps after
-4 warm-up steps, per step. Runs against older trees too (public API only).
+their prefills and 4 warm-up steps, per step (before 2026-12-02's fourth session the warm-up
+was 4 steps only: at concurrency 16 the counted steps were still prefill chunks).
+``--decode-steps K`` (> 1): ``scheduler.decode_steps`` (multi-step decode: K tokens per row
+per step). Runs against older trees too (public API only; without ``--decode-steps``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,16 @@ def _stand_in(self: ShadowRunner, scheduled) -> tuple[np.ndarray, np.ndarray]:
     return out
 
 
+def _stand_in_multi(self: ShadowRunner, scheduled, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[multi-step decode] ``_stand_in`` for ``_run_multi``: ``[k, rows]`` fixed tokens."""
+    self.last_request_ids = [s.req.request_id for s in scheduled]
+    key = (k, len(scheduled))
+    out = _OUT.get(key)
+    if out is None:
+        out = _OUT[key] = (np.ones(key, np.int32), np.zeros(key, np.float32))
+    return out
+
+
 def _collected(step):
     """``Engine.step`` inside ``functools.reduce`` (callgrind's ``--toggle-collect``)."""
     def wrapper(self):
@@ -57,10 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--decode-steps", type=int, default=1)
     args = ap.parse_args(argv)
     ShadowRunner._run = _stand_in
-    cfg = EngineConfig.load(None, overrides={"cache.num_kv_tokens": 200_000,
-                                             "cache.num_mamba_slots": 256})
+    sets = {"cache.num_kv_tokens": 200_000, "cache.num_mamba_slots": 256}
+    if args.decode_steps > 1:
+        ShadowRunner._run_multi = _stand_in_multi
+        sets["scheduler.decode_steps"] = args.decode_steps
+    cfg = EngineConfig.load(None, overrides=sets)
     if args.mode == "trace":
         from mambacache.bench.simulate import shared_prefix_trace, simulate
 
@@ -74,13 +91,17 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     for _ in range(args.concurrency):
         engine.add_request(rng.integers(2, 900, 576).astype(np.int32),
-                           SamplingParams(max_new_tokens=args.steps + 20, ignore_eos=True))
+                           SamplingParams(max_new_tokens=(args.steps + 20) * args.decode_steps,
+                                          ignore_eos=True))
+    while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
+        engine.step()
     for _ in range(4):
         engine.step()
     step = _collected(Engine.step)
     for _ in range(args.steps):
         step(engine)
-    print(f"steps {args.steps}, rows {args.concurrency}")
+    print(f"steps {args.steps}, rows {args.concurrency}, tokens per row "
+          f"{sum(len(r.output_ids) for r in engine.scheduler.running) // args.concurrency}")
 
 
 if __name__ == "__main__":

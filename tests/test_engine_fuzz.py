@@ -49,7 +49,8 @@ def _moving_splits(rng: np.random.Generator, biggest: int, page: int) -> dict:
 
 
 def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
-            host_tier: bool = False, byte_budget: bool = False, rebalance: bool = False):
+            host_tier: bool = False, byte_budget: bool = False, rebalance: bool = False,
+            decode_steps: int = 1):
     page = int(rng.choice([1, 2, 4]))
     biggest = max(len(p) + n for p, n, _ in reqs)
     kv = (-(-biggest // page) + int(rng.integers(0, 12))) * page
@@ -82,7 +83,8 @@ def _engine(rng: np.random.Generator, reqs, fail_rate: float, overlap: bool,
                        "lose_pools_on_failure": lose,
                        "fail_read": lambda step: bool(fail_rng.random() < read_rate),
                        "load_latency": latency},
-        **{"scheduler.overlap": overlap}, **tier, **params)
+        **{"scheduler.overlap": overlap, "scheduler.decode_steps": decode_steps}, **tier,
+        **params)
 
 
 def _params(eng, rng: np.random.Generator, prompt: list[int], n: int) -> mc.SamplingParams:
@@ -95,15 +97,16 @@ def _params(eng, rng: np.random.Generator, prompt: list[int], n: int) -> mc.Samp
 
 def run_fuzz(seed: int, fail_rate: float = 0.02, overlap: bool = True,
              host_tier: bool = False, byte_budget: bool = False,
-             rebalance: bool = False) -> int:
+             rebalance: bool = False, decode_steps: int = 1) -> int:
     """One random scenario to completion; returns the number of steps. Raises on any bug.
     ``rebalance``: the device split moves (forced at random steps, and by a tuner every few
-    admissions) while requests run."""
+    admissions) while requests run. ``decode_steps``: ``scheduler.decode_steps``."""
     rng = np.random.default_rng(seed)
     reqs = _workload(rng)
     if host_tier:  # twice as many: turns of earlier requests come back from the host
         reqs += _workload(rng)
-    eng = _engine(rng, reqs, fail_rate, overlap, host_tier, byte_budget, rebalance)
+    eng = _engine(rng, reqs, fail_rate, overlap, host_tier, byte_budget, rebalance,
+                  decode_steps)
     rb = eng.rebalancer
     if rebalance:
         rb.use_tuner(SplitTuner(window=4, every=3, margin=0.0, confirm=1))
@@ -170,6 +173,15 @@ def _check_outputs(eng, ids, outs, seed: int, steps: int) -> int:
 def test_fuzz_engine(block, overlap):
     steps = sum(run_fuzz(seed, overlap=overlap) for seed in range(block, NUM_SEEDS, 4))
     assert steps > 200  # the scenarios really ran
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fuzz_multi_step(overlap):
+    """``scheduler.decode_steps`` 3 and 4 (K-step dispatches, stops inside them, rows chained
+    after them, short pools, preemption with tokens in flight) on the same scenarios."""
+    steps = sum(run_fuzz(seed, overlap=overlap, decode_steps=3 + seed % 2)
+                for seed in range(NUM_SEEDS))
+    assert steps > 200
 
 
 @pytest.mark.parametrize("overlap", [True, False])

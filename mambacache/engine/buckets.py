@@ -24,7 +24,12 @@ every program computes at least that many token rows and logits rows (the runner
 others share its step: on XLA CPU a row-wise reduction over fewer than 8 rows is vectorised
 along the row and sums in another order (``docs/engine.md``, "Deterministic mode").
 
-So the set is ``(widths + token ladder (x logits ladder)) x page ladder`` programs. A step
+* **multi-step decode** (``scheduler.decode_steps`` K > 1, ``engine/multi_step.py``): the
+  decode widths again, each running K iterations (``iterations``); its pages cover every row's
+  last iteration.
+
+So the set is ``(widths (x 2 with K > 1) + token ladder (x logits ladder)) x page ladder``
+programs. A step
 outside it (a sequence longer than ``max_seq_len``, more snapshots than ``S``) still runs, on the
 next power of two: that program is not in the warmed set and counts as a compile
 (``engine/compiles.py``). Host only (no JAX).
@@ -70,15 +75,19 @@ class StepShape:
     num_pages_per_seq: int
     num_snapshots: int
     num_logits: int
+    iterations: int = 1  # [multi-step decode] K decode iterations in the program
 
     def sizes(self) -> dict[str, int]:
+        """``build_forward_batch``'s keyword arguments."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "decode"}
+                if f.name not in ("decode", "iterations")}
 
     @property
     def key(self) -> tuple:
-        """``(decode, *sorted(sizes))``: the runner's ``program_keys`` entry."""
-        return (self.decode, *sorted(self.sizes().items()))
+        """``(decode, *sorted(sizes))`` (and ``("iterations", K)`` for a multi-step one): the
+        runner's ``program_keys`` entry."""
+        more = (("iterations", self.iterations),) if self.iterations > 1 else ()
+        return (self.decode, *sorted(self.sizes().items()), *more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +96,8 @@ class Buckets:
     (tokens of the longest sequence the set covers), ``max_step_tokens`` (most tokens one step
     packs), ``max_logit_rows`` (most logits rows, > max_seqs only with verify rows),
     ``max_snapshots`` (the snapshot cap of an extend step; 0: ``2 * max_seqs``), ``min_rows``
-    (the fewest token rows and decode width of a program; 0: the module's minimums)."""
+    (the fewest token rows and decode width of a program; 0: the module's minimums),
+    ``decode_steps`` (K > 1: the multi-step decode programs too)."""
 
     page_size: int
     max_seqs: int
@@ -96,6 +106,7 @@ class Buckets:
     max_logit_rows: int = 0
     max_snapshots: int = 0
     min_rows: int = 0
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_seqs", "max_seq_len", "max_step_tokens"):
@@ -157,6 +168,13 @@ class Buckets:
         logits = self.max_seqs if logit_rows <= self.max_seqs else bucket(logit_rows, 1)
         return StepShape(False, tokens, self.max_seqs, pages, snaps, logits)
 
+    def multi_shape(self, ends: Sequence[int], iterations: int) -> StepShape:
+        """[multi-step decode] The shape of ``len(ends)`` rows running ``iterations``
+        iterations, row i's last one ending at ``ends[i]`` tokens."""
+        pages = self.pages_for(-(-max(ends) // self.page_size))
+        width = min(bucket(len(ends), self.min_width), self.max_seqs)
+        return StepShape(True, width, width, pages, MIN_SNAPSHOT_BUCKET, width, iterations)
+
     def program_set(self) -> list[StepShape]:
         """Every shape a step of at most ``max_seq_len`` tokens per sequence can take."""
         pages = self.page_ladder()
@@ -164,4 +182,6 @@ class Buckets:
                   for p in pages]
         extend = [StepShape(False, t, self.max_seqs, p, self.snapshots_for(t), n)
                   for t in self.token_ladder() for n in self.logit_ladder() for p in pages]
-        return decode + extend
+        multi = [dataclasses.replace(s, iterations=self.decode_steps) for s in decode] \
+            if self.decode_steps > 1 else []
+        return decode + multi + extend

@@ -71,6 +71,11 @@ class Engine:
             state, kv = model_byte_sizes(cfg, self.model_cfg)
             self.cfg = cfg = cfg.replace(**{"cache.state_bytes": state,
                                             "cache.kv_bytes_per_token": kv})
+        if cfg.scheduler.decode_steps > 1 and not getattr(self.runner, "multi_step_ok", True):
+            logging.info("scheduler.decode_steps %d on %s (tensor parallel or speculative): "
+                         "one decode iteration per step", cfg.scheduler.decode_steps,
+                         type(self.runner).__name__)
+            self.cfg = cfg = cfg.replace(**{"scheduler.decode_steps": 1})
         self.manager = CacheManager(cfg.cache, transfer=getattr(self.runner, "transfer", None),
                                     loads=self.runner if hasattr(self.runner, "finish_load")
                                     else None)

@@ -301,6 +301,43 @@ class Lease:
         self.snapshots_in_flight = set()
         return slot
 
+    def plan_decode_window(self, start: int, end: int) -> tuple[int, int] | None:
+        """[cache on, page > 1, multi-step decode] A row computing ``(start, end]`` in one
+        dispatch: the state at its first page boundary ``b`` goes to a fresh slot; ``(b, slot)``,
+        or None (no boundary, or the pool is short: counted as skipped). Older pending snapshots
+        are given back, except the one this row reads (``state_slot``: the previous window
+        ended on a boundary), which stays planned until the next window; ``b`` is marked in
+        flight (written once the row's count reaches it). Mutates
+        ``pending_snapshots``, ``snapshots_in_flight``, the slot allocator."""
+        mgr = self._mgr
+        if not mgr.boundary_snapshots:
+            return None
+        b = (start // mgr.page_size + 1) * mgr.page_size
+        if b > end:
+            return None
+        got = mgr.cache.alloc_slots(1)
+        if got is None:
+            mgr.cache.record_skipped()
+            return None
+        read = self.state_slot if self.state_valid else None
+        kept = {pos: sl for pos, sl in self.pending_snapshots.items() if sl == read}
+        stale = [sl for pos, sl in self.pending_snapshots.items() if pos < b and sl != read]
+        if stale:
+            mgr.cache.free_slots(stale)
+        slot = int(got[0])
+        self.pending_snapshots = {**kept, b: slot}
+        self.snapshots_in_flight = (self.snapshots_in_flight & kept.keys()) | {b}
+        return b, slot
+
+    def rewind(self, n: int, slot: int) -> None:
+        """[multi-step decode] A row stopped inside its dispatch: ``n`` tokens went through the
+        model and the state after them is in ``slot`` (later iterations and the rows chained
+        after it were frozen on the device: they wrote nothing). If ``slot`` is no longer this
+        lease's (a later window gave it back), no state is valid: no end snapshot at release.
+        Mutates ``num_computed``, ``state_slot``, ``state_valid``."""
+        held = slot == self.running_slot or slot in self.pending_snapshots.values()
+        self.num_computed, self.state_slot, self.state_valid = n, slot, held
+
     def plan_window_snapshots(self, first: int, end: int) -> None:
         """[speculative, cache on, page > 1] Plan a snapshot at every page boundary in
         ``[first, end)`` (a verify window; a short pool skips and counts). Mutates

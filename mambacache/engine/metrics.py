@@ -48,7 +48,7 @@ class EngineMetrics:
         self.num_steps += 1
         program = True  # is_decode_step of the rows' specs, in the same loop
         for s in scheduled:  # a loop, not all(generator): per row of every step
-            if s.end - s.start != 1 or s.start < s.req.prompt_len:
+            if s.end - s.start != s.steps or s.start < s.req.prompt_len:
                 break
             if program:
                 spec = s.spec

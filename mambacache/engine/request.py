@@ -8,8 +8,9 @@ Invariants:
     went through the model;
   * overlap (``scheduler.overlap``): ``num_pending`` tokens were sampled by dispatched rows and
     not read yet (the ``pending_row`` of the step in flight samples the newest); ``num_tokens``
-    counts them too. At scheduling time ``num_pending <= 1``: a decoding request's row feeds its
-    pending token from the device, and a request with a pending token is never admitted (it
+    counts them too. At scheduling time ``num_pending <= 1``, or up to ``scheduler.decode_steps``
+    after a multi-step decode dispatch: a decoding request's row feeds its newest pending token
+    from the device, and a request with a pending token is never admitted (it
     waits for the token to be read); written only by ``mark_pending`` / ``pending_read``;
   * with speculative decoding ``token_ids`` holds verified tokens only.
 """
@@ -150,14 +151,15 @@ class Request:
         """Tokens fed through the model (cached ones included): the lease's count."""
         return self.lease.num_computed
 
-    def mark_pending(self, row: int) -> None:
-        """[overlap] Row ``row`` of the step just dispatched samples this request's next token."""
-        self.num_pending += 1
+    def mark_pending(self, row: int, count: int = 1) -> None:
+        """[overlap] Row ``row`` of the step just dispatched samples this request's next
+        ``count`` tokens (more than one: a multi-step decode row)."""
+        self.num_pending += count
         self.pending_row = row
 
-    def pending_read(self) -> None:
-        """[overlap] The oldest pending token was read (and is appended next)."""
-        self.num_pending -= 1
+    def pending_read(self, count: int = 1) -> None:
+        """[overlap] The oldest ``count`` pending tokens were read (and are appended next)."""
+        self.num_pending -= count
 
     def to_output(self) -> RequestOutput:
         now = time.perf_counter()

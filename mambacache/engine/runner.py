@@ -32,6 +32,7 @@ from mambacache.engine.buckets import (
 from mambacache.engine.compiles import CompileCounter
 from mambacache.engine.drafters import mtp_inputs
 from mambacache.engine.logit_controls import controls_for
+from mambacache.engine.multi_step import MultiStepRows, jitted_multi_step
 from mambacache.engine.pools import PoolState, pool_fields, resize_layerwise
 from mambacache.engine.sampling import SamplingBatch, sample
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, logit_rows
@@ -167,6 +168,9 @@ class ModelRunner:
         self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
         self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts, spec_k, num_alts)
                      for d in (False, True)}
+        # [multi-step decode] K-iteration decode programs (not under tensor parallelism, nor
+        # with speculative decoding's carry: the engine runs K = 1 there)
+        self.multi_step_ok = not spec_k
         self.program_keys: set[tuple] = set()  # the step shapes requests ran (StepShape.key)
         self.host_pools: Any = None  # [host tier] engine/host_pools.HostPools, on first use
         # Start each step's copy back at dispatch, except on CPU: there the arrays already
@@ -199,6 +203,7 @@ class ModelRunner:
                                             self.spec_k, self.num_alts)
                      for d in (False, True)}
         self.future = jax.device_put(self.future, replicated(mesh))
+        self.multi_step_ok = False
 
     @property
     def programs_compiled(self) -> int:
@@ -260,6 +265,36 @@ class ModelRunner:
             x.copy_to_host_async()
         return tokens, logprobs
 
+    def run_multi(self, scheduled: Sequence[ScheduledSeq],
+                  iterations: int) -> tuple[jax.Array, jax.Array]:
+        """[multi-step decode] ``iterations`` decode iterations of ``scheduled`` (decode rows,
+        row i running ``scheduled[i].steps``: ``engine/multi_step.py``) in one dispatch;
+        tokens and logprobs ``[iterations, L]``, still on the device."""
+        seqs = [s.spec for s in scheduled]
+        params = [s.req.params for s in scheduled]  # every row samples, its first output index:
+        steps = [s.req.num_outputs for s in scheduled]  # iteration j's key is steps + j
+        shape = self.buckets.multi_shape([s.end for s in scheduled], iterations)
+        # every page a row holds (up to P): its later iterations write past the first's
+        batch = build_forward_batch(seqs, self.page_size, all_pages=True, as_numpy=True,
+                                    **shape.sizes())
+        sb = SamplingBatch.from_params(params, steps, shape.num_logits)
+        rows = MultiStepRows.build(scheduled, shape.num_seqs,
+                                   getattr(self.model_cfg, "eos_token_id", None))
+        self.program_keys.add(shape.key)
+        prev = future_index(seqs, shape.num_tokens)
+        with self.compiles.track():
+            if self.host_pools is not None:  # [host tier] demotions read before the step writes
+                self.host_pools.flush(self.pools)
+            out = self._multi_fn(iterations)(self.params, self.pools, self.future, batch, sb,
+                                             prev, rows)
+        self.pools, self.future, tokens, logprobs = out
+        for x in (tokens, logprobs) if self.copy_back else ():
+            x.copy_to_host_async()
+        return tokens, logprobs
+
+    def _multi_fn(self, iterations: int) -> Any:
+        return jitted_multi_step(self.model_cfg, self.kernels, iterations, self.page_size)
+
     def _spec_inputs(self, scheduled: Sequence[ScheduledSeq],
                      shape: StepShape) -> dict[str, np.ndarray]:
         return {**mtp_inputs(scheduled, shape.num_tokens, shape.num_seqs),
@@ -278,6 +313,14 @@ class ModelRunner:
                                     as_numpy=True, **shape.sizes())
         sb = SamplingBatch.from_params([], [], shape.num_logits)
         prev = np.full(shape.num_tokens, -1, np.int32)
+        if shape.iterations > 1:  # [multi-step decode] every row limit 0: frozen throughout
+            rows = MultiStepRows.build([], shape.num_seqs, None)
+            with self.warm_compiles.track():
+                out = self._multi_fn(shape.iterations)(self.params, self.pools, self.future,
+                                                       batch, sb, prev, rows)
+                self.pools, self.future = out[:2]
+                jax.block_until_ready(out[2])
+            return
         extra = (self._spec_inputs([], shape),) if self.spec_k else ()
         with self.warm_compiles.track():
             out = self._fns[shape.decode](self.params, self.pools, self.future, batch, sb, prev,

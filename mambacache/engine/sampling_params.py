@@ -77,6 +77,9 @@ class SamplingParams:
     ``frequency_penalty * c + presence_penalty * (c > 0)``. ``constraint``: a
     ``logit_controls.TokenConstraint`` (a grammar: only the tokens it allows are sampled; the
     request stops when it is complete). Logprobs stay the model's (before penalties and masks).
+    ``host_stops``: the caller ends the request on conditions the engine cannot see (the
+    server's stop strings): it decodes one token per step (no multi-step decode), so no token
+    past such a stop is sampled.
     """
 
     max_new_tokens: int = 16
@@ -90,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     constraint: Any = dataclasses.field(default=None, compare=False)
+    host_stops: bool = False
     #: sampling reads the tokens so far on the host (penalties, a constraint): no row of this
     #: request is dispatched while a sampled token is still on the device [overlap], and it
     #: takes no speculative verify rows (set from the fields; read per row of every step)
@@ -119,6 +123,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool | np.bool_):
             raise ValueError(f"ignore_eos must be a bool, got {_show(self.ignore_eos)}")
         fields["ignore_eos"] = bool(self.ignore_eos)
+        if not isinstance(self.host_stops, bool | np.bool_):
+            raise ValueError(f"host_stops must be a bool, got {_show(self.host_stops)}")
+        fields["host_stops"] = bool(self.host_stops)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "needs_history", self.constraint is not None or self.penalized)

@@ -36,7 +36,7 @@ from mambacache.engine.admission import admit
 from mambacache.engine.cache_manager import CacheManager
 from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request
 from mambacache.engine.speculative import SpecDecoder
-from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
+from mambacache.engine.step_plan import MAX_DEVICE_STOPS, ScheduledSeq, SeqSpec
 
 __all__ = ["ScheduledSeq", "Scheduler"]
 
@@ -64,6 +64,11 @@ class Scheduler:
         self._load_waiters: list[Request] = []
         # [speculative] verify rows instead of decodes when a drafter proposes tokens
         self.speculative = SpecDecoder(cfg) if cfg.speculative.enabled else None
+        # [multi-step decode] K iterations per decode-only step (the engine sets 1 on a runner
+        # without them); ``iterations``: those of the step last scheduled
+        self.decode_steps = cfg.scheduler.decode_steps
+        self.iterations = 1
+        self._multi_in_flight = False  # [overlap] the step in flight is a multi-step one
 
     # ---- pages -----------------------------------------------------------------------------
     def _grow_or_preempt(self, req: Request, end: int) -> bool:
@@ -115,7 +120,7 @@ class Scheduler:
         # the prefills, and those whose last token is in flight ([overlap]: they take no row
         # and do not count against max_running_requests)
         decoding = []  # (request, its end: num_tokens)
-        prefilling, num_done = [], 0
+        prefilling, num_done, held_back = [], 0, False
         for req in self.running:
             num_outputs = len(req.output_ids) + req.num_pending  # req.num_outputs, inline
             if num_outputs >= req.params.max_new_tokens:
@@ -125,9 +130,15 @@ class Scheduler:
             elif not req.lease.prefilled:
                 prefilling.append(req)
             elif req.num_pending and req.params.needs_history:
-                continue  # [overlap] penalties / grammar read its last token on the host first
+                held_back = True  # [overlap] penalties / grammar read its last token first
             elif req.status is RUNNING:
                 decoding.append((req, req.prompt_len + num_outputs))
+        if self.decode_steps > 1 and not prefilling and not held_back and decoding \
+                and self._multi_ok(decoding, num_done):
+            return self._schedule_multi(decoding)
+        self.iterations = 1
+        if self._multi_in_flight:  # [overlap] a multi-step row's tokens reach a K-step only
+            decoding = [(r, end) for r, end in decoding if not r.num_pending]
         preemptions = self.num_preemptions
         # every decode row's pages in one allocation when nothing can be evicted or preempted
         # (the same pages as one grow after another); otherwise one by one, preempting
@@ -191,6 +202,8 @@ class Scheduler:
             # no verify row without speculative decoding: ``verifies`` not asked (per row)
             s.spec = self.speculative.verify_spec(s) if self.speculative is not None \
                 and s.verifies else spec(s)
+        if out:
+            self._multi_in_flight = False
         if self.speculative is None:
             return list(out.values())
         rows = []
@@ -200,6 +213,85 @@ class Scheduler:
                 branch.spec = self.speculative.verify_spec(branch)
                 rows.append(branch)
         return rows
+
+    # ---- multi-step decode ---------------------------------------------------------------------
+    def _multi_ok(self, decoding: list[tuple[Request, int]], num_done: int) -> bool:
+        """Whether this step runs ``decode_steps`` iterations (``engine/multi_step.py``): every
+        running request decodes (no prefill), no waiting request could be admitted now (the
+        queue is empty, or the running cap is reached: an admission waits for the next
+        dispatch, at most K - 1 iterations longer), no speculative decoding or host tier load,
+        and every row stops on the device only (no penalties or grammar, no stop strings at the
+        server: ``SamplingParams.host_stops``, at most ``MAX_DEVICE_STOPS`` - 1 stop ids, no
+        snapshot planned past its start)."""
+        if self.speculative is not None or self.manager.loads_in_flight():
+            return False
+        waiting = self.waiting
+        if waiting and not waiting[0].num_pending and len(self.running) < \
+                self.cfg.scheduler.max_running_requests + num_done:
+            return False  # admit first (TTFT); the next decode-only step runs K again
+        for req, _ in decoding:
+            p, lease = req.params, req.lease
+            if p.needs_history or p.host_stops or len(p.stop_token_ids) >= MAX_DEVICE_STOPS:
+                return False
+            if lease.pending_snapshots and max(lease.pending_snapshots) > lease.num_computed:
+                return False
+        return True
+
+    def _schedule_multi(self, decoding: list[tuple[Request, int]]) -> list[ScheduledSeq]:
+        """One row per decoding request running up to ``decode_steps`` iterations: fewer when
+        its ``max_new_tokens`` comes first, when a second page boundary would fall inside
+        (one boundary snapshot per row), or when the pool cannot grow its pages that far (the
+        pages it holds, at least one token: back-pressure, never a failure), or after a plain
+        row still in flight (one iteration)."""
+        k, out, mgr = self.decode_steps, self._out, self.manager
+        ps, boundary = mgr.page_size, mgr.boundary_snapshots
+        for req, _ in decoding:
+            if req.status is not RUNNING:
+                continue  # preempted to grow an earlier row
+            lease = req.lease
+            start = lease.num_computed
+            n = min(k, req.params.max_new_tokens - len(req.output_ids) - req.num_pending)
+            if req.num_pending and not self._multi_in_flight:
+                # [overlap] after a plain row, whose stop the device cannot see: its pending
+                # token only (K = 1's chained row); the next multi row is frozen if this stops
+                n = 1
+            if boundary:
+                n = min(n, (start // ps + 2) * ps - 1 - start)
+            if not lease.grow(start + n):
+                n = min(n, lease.room(start))
+                if n < 1:
+                    if not self._grow_or_preempt(req, start + 1):
+                        continue
+                    n = 1
+            known = req.prompt_len + len(req.output_ids)
+            if req.num_pending:  # [overlap] its newest token is on the device
+                if start != known + req.num_pending - 1:
+                    raise AssertionError(f"request {req.request_id}: row at {start} with "
+                                         f"{known} tokens known, {req.num_pending} pending")
+                tokens, prev = _PLACEHOLDER, req.pending_row
+            else:
+                tokens, prev = req.token_slice(start, start + 1), -1
+            s = ScheduledSeq(req, start, start + n, steps=n)
+            running = lease.running_slot
+            s.spec = SeqSpec(tokens, start, lease.page_ids, lease.next_read_slot, running, [],
+                             "last", prev)
+            s.write_slot = running
+            window = lease.plan_decode_window(start, start + n) if boundary else None
+            if window is not None:
+                s.snap_iter, s.snap_slot = window[0] - start - 1, window[1]
+                if window[0] == start + n:  # the state after the row is the snapshot's
+                    s.write_slot = window[1]
+            out[req.request_id] = s
+        if out:
+            self.iterations, self._multi_in_flight = k, True
+        return list(out.values())
+
+    def rewind(self, s: ScheduledSeq, j: int) -> None:
+        """[multi-step decode] ``s``'s request stopped at its iteration ``j``: its lease counts
+        the tokens through that iteration (``Lease.rewind``), before the finish inserts them."""
+        lease, n = s.req.lease, s.start + j + 1
+        if s.req.status is RUNNING and lease.num_computed != n:
+            lease.rewind(n, s.snap_slot if s.snap_iter == j else lease.running_slot)
 
     def _add_chunk(self, req: Request, budget: int) -> int:
         """Schedule the next prefill chunk of ``req`` within ``budget``; the budget left."""
@@ -277,7 +369,8 @@ class Scheduler:
         """Put ``req``'s progress into the cache and requeue it at the front."""
         logging.vlog(1, "preempt request %d at %d/%d tokens", req.request_id, req.num_computed,
                      req.num_tokens)
-        self.release(req, keep=True)
+        # [multi-step decode, overlap] tokens it computed are still in flight: nothing to keep
+        self.release(req, keep=not (req.num_pending and self._multi_in_flight))
         req.status = WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -309,10 +402,11 @@ class Scheduler:
             self.speculative.reset()
 
     # ---- liveness and checks ---------------------------------------------------------------
-    def token_read(self, req: Request) -> None:
-        """[overlap] The token a dispatched row sampled for ``req`` was read (and appended)."""
-        req.pending_read()
-        self.tokens_read += 1
+    def token_read(self, req: Request, count: int = 1) -> None:
+        """[overlap] The ``count`` tokens a dispatched row sampled for ``req`` were read (and
+        appended)."""
+        req.pending_read(count)
+        self.tokens_read += count
 
     def progress_marker(self) -> tuple[int, int, int]:
         """Changes iff a step computed a token, a sampled token was read or a request finished."""

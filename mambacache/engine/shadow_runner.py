@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mambacache.engine.shadow_tier import ShadowTier
-from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, step_hazards
+from mambacache.engine.step_plan import (
+    ScheduledSeq,
+    SeqSpec,
+    device_stop_ids,
+    is_decode_step,
+    step_hazards,
+)
 
 if TYPE_CHECKING:
     from mambacache.cache.base import CacheBase
@@ -92,6 +98,9 @@ class ShadowRunner(ShadowTier):
         self._lose_pools = lose_pools_on_failure
         self._fail_read = fail_read
         self._future = np.zeros(0, np.int32)  # [overlap] the last step's sampled tokens
+        # [multi-step decode, overlap] the last step's rows, if it was a multi-step one: the
+        # tokens each sampled before it stopped, and whether it stopped (its next row freezes)
+        self._prev_multi: list[tuple[list[int], bool]] | None = None
         self._lost = False
         self.host_kv: dict = {}  # [host tier] host page -> (lengths, keys) of its positions
         self.host_slot: dict = {}  # [host tier] host slot -> (length, key) of its state
@@ -134,16 +143,48 @@ class ShadowRunner(ShadowTier):
         return keys
 
     def _pending_token(self, s: ScheduledSeq) -> int | None:
-        """[overlap] The token a row's placeholder stands for, from the previous step."""
+        """[overlap] The token a row's placeholder stands for, from the previous step (a plain
+        row: one pending token, sampled by a plain step)."""
         prev = s.spec.prev_index
         if prev < 0:
             return None
         known = s.req.prompt_len + len(s.req.output_ids)
-        if s.req.num_pending != 1 or s.spec.end != known + 1 or prev >= len(self._future):
+        if s.req.num_pending != 1 or s.spec.end != known + 1 or prev >= len(self._future) \
+                or self._prev_multi is not None:
             raise DataflowError(f"request {s.req.request_id}: a placeholder at position "
                                 f"{s.spec.end - 1} with {known} tokens known, "
-                                f"{s.req.num_pending} pending, row {prev}")
+                                f"{s.req.num_pending} pending, row {prev}"
+                                + (" of a multi-step step" if self._prev_multi else ""))
         return int(self._future[prev])
+
+    def _pending_tokens(self, s: ScheduledSeq) -> tuple[list[int], bool]:
+        """[multi-step decode, overlap] The tokens a multi-step row's placeholder stands for
+        (its request's pending ones, the newest last) and whether the row that sampled them
+        stopped on the device (this row is then frozen: it reads and writes nothing)."""
+        prev = s.spec.prev_index
+        if prev < 0:
+            return [], False
+        if self._prev_multi is None:
+            return [self._pending_token(s)], False
+        known = s.req.prompt_len + len(s.req.output_ids)
+        toks, done = self._prev_multi[prev] if prev < len(self._prev_multi) else ([], False)
+        if not done and (s.req.num_pending != len(toks) or s.spec.end != known + len(toks)):
+            raise DataflowError(f"request {s.req.request_id}: a placeholder at position "
+                                f"{s.spec.end - 1} with {known} tokens known, "
+                                f"{s.req.num_pending} pending, {len(toks)} sampled by row {prev}")
+        return toks, done
+
+    def _extend_keys(self, keys: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+        """``keys`` (of some tokens) followed by the keys of ``tokens`` appended to them."""
+        if not len(tokens):
+            return keys
+        n = len(keys)
+        self.prefix_keys(np.zeros(n + len(tokens), np.int64))  # enough coefficients
+        with np.errstate(over="ignore"):
+            more = np.cumsum((np.asarray(tokens, np.uint64) + np.uint64(1))
+                             * self._coef[n:n + len(tokens)], dtype=np.uint64)
+            more += keys[-1] if n else np.uint64(0)
+        return np.concatenate([keys, more])
 
     def _row_tokens(self, s: ScheduledSeq) -> np.ndarray:
         """The row's token sequence: the request's tokens (and the token its placeholder stands
@@ -173,11 +214,11 @@ class ShadowRunner(ShadowTier):
         finally:
             self.run_s += time.perf_counter() - t0
 
-    def _run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
-        specs = [s.spec for s in scheduled]
+    def _begin(self, scheduled: Sequence[ScheduledSeq], specs: list[SeqSpec], key: tuple,
+               decode: bool) -> int:
+        """A step's bookkeeping, its injected failure and its cross-row hazards; its index."""
         self.last_request_ids = [s.req.request_id for s in scheduled]
-        decode = is_decode_step(specs)
-        self.program_keys.add((decode,))
+        self.program_keys.add(key)
         self._widths[len(specs)] = self._widths.get(len(specs), 0) + 1
         step, self.num_steps = self.num_steps, self.num_steps + 1
         self.decode_steps += decode
@@ -187,6 +228,12 @@ class ShadowRunner(ShadowTier):
         hazards = step_hazards(specs, self.page_size)
         if hazards:
             raise DataflowError(f"step {step}: " + "; ".join(hazards))
+        return step
+
+    def _run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
+        specs = [s.spec for s in scheduled]
+        decode = is_decode_step(specs)
+        step = self._begin(scheduled, specs, (decode,), decode)
         keys = [self._row_keys(s) for s in scheduled]
         for s in scheduled:
             self._check_rows(s)
@@ -195,10 +242,85 @@ class ShadowRunner(ShadowTier):
         for s, k in zip(scheduled, keys, strict=True):
             self._write(s.spec, k)
         tokens, logprobs = self._sample(scheduled, keys)
-        self._future = tokens
+        self._future, self._prev_multi = tokens, None
         if self._fail_read is not None and self._fail_read(step):
             return _Unreadable(step), _Unreadable(step)
         return tokens, logprobs
+
+    # ---- multi-step decode -------------------------------------------------------------------
+    def run_multi(self, scheduled: Sequence[ScheduledSeq],
+                  iterations: int) -> tuple[np.ndarray, np.ndarray]:
+        """``ModelRunner.run_multi`` on the host (``engine/multi_step.py``'s semantics): row i
+        runs ``scheduled[i].steps`` decode iterations, frozen after a stop token; every state
+        an iteration reads is checked. Tokens and logprobs ``[iterations, rows]``."""
+        t0 = time.perf_counter()
+        try:
+            return self._run_multi(scheduled, iterations)
+        finally:
+            self.run_s += time.perf_counter() - t0
+
+    def _run_multi(self, scheduled: Sequence[ScheduledSeq],
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+        # the hazards of every iteration's writes: each row as one extend over its window
+        spans = [SeqSpec(np.zeros(s.steps, np.int32), s.start, s.spec.page_ids,
+                         s.spec.read_slot, s.spec.write_slot,
+                         [(s.snap_iter + 1, s.snap_slot)] if s.snap_iter >= 0 else [])
+                 for s in scheduled]
+        step = self._begin(scheduled, spans, ("multi", k), True)
+        n = len(scheduled)
+        tokens, logprobs = np.zeros((k, n), np.int32), np.zeros((k, n), np.float32)
+        rows = []  # (row's tokens, their keys) or None: frozen by its previous row's stop
+        for s in scheduled:
+            self._check_rows(s)
+            toks, done = self._pending_tokens(s)
+            if done:
+                rows.append(None)
+                continue
+            row = np.concatenate([s.req.token_ids, np.asarray(toks, np.int32)])
+            keys = self._extend_keys(self._req_keys(s.req), toks)
+            self._check_reads(s, keys, row_tokens=row, end=s.spec.end)
+            rows.append((row, keys))
+        prev: list[tuple[list[int], bool]] = []
+        for i, (s, r) in enumerate(zip(scheduled, rows, strict=True)):
+            prev.append(([], True) if r is None
+                        else self._iterate(s, *r, tokens[:, i], logprobs[:, i]))
+        self._future, self._prev_multi = np.zeros(0, np.int32), prev
+        if self._fail_read is not None and self._fail_read(step):
+            return _Unreadable(step), _Unreadable(step)
+        return tokens, logprobs
+
+    def _iterate(self, s: ScheduledSeq, row: np.ndarray, keys: np.ndarray,
+                 tokens: np.ndarray, logprobs: np.ndarray) -> tuple[list[int], bool]:
+        """Row ``s``'s iterations (``row``: its tokens through its first input, ``keys``
+        theirs): write each input's KV and state, check the state each later iteration reads,
+        sample into ``tokens`` / ``logprobs``; the tokens sampled and whether it stopped."""
+        spec, req = s.spec, s.req
+        stops = device_stop_ids(req.params, self.model_cfg.eos_token_id)
+        start, running = spec.prefix_len, spec.write_slot
+        sampled: list[int] = []
+        for j in range(s.steps):
+            pos = start + j  # the input token's position
+            if j:
+                rs = s.snap_slot if s.snap_iter == j - 1 else running
+                if (self.slot_len[rs], self.slot_key[rs]) != (pos, keys[pos - 1]):
+                    raise DataflowError(f"request {req.request_id}: iteration {j} reads slot "
+                                        f"{rs} holding the state after {self.slot_len[rs]} "
+                                        f"tokens, not {pos}")
+            loc = self._locs(spec, pos, pos + 1)
+            self.kv_len[loc], self.kv_key[loc] = pos + 1, keys[pos]
+            ws = s.snap_slot if s.snap_iter == j else running
+            if ws:
+                self.slot_len[ws], self.slot_key[ws] = pos + 1, keys[pos]
+            given = self._outputs(req.request_id, req.num_outputs + j) if self._outputs else None
+            tok = given if given is not None else self._token_after(
+                row if self.markov else None, keys, pos + 1)
+            tokens[j], logprobs[j] = tok, -((int(keys[pos]) >> 7) % 1000) / 1000.0
+            sampled.append(int(tok))
+            if tok in stops:
+                return sampled, True
+            row = np.append(row, np.int32(tok))
+            keys = self._extend_keys(keys, [tok])
+        return sampled, False
 
     def _locs(self, spec: SeqSpec, lo: int, hi: int) -> np.ndarray:
         pos = np.arange(lo, hi)
@@ -215,13 +337,18 @@ class ShadowRunner(ShadowTier):
                                 f"rows ({pages} pages, {slots} slots): pages "
                                 f"{np.asarray(spec.page_ids)[-4:].tolist()}, slots {slot_ids}")
 
-    def _check_reads(self, s: ScheduledSeq, keys: np.ndarray) -> None:
+    def _check_reads(self, s: ScheduledSeq, keys: np.ndarray, *,
+                     row_tokens: np.ndarray | None = None, end: int | None = None) -> None:
+        """``row_tokens`` [multi-step decode]: the row's tokens, its pending ones resolved;
+        ``end``: the first iteration's (default ``s.end``)."""
         spec, rid = s.spec, s.req.request_id
-        n0 = spec.prefix_len
-        verified = (self._row_tokens(s) if spec.prev_index >= 0 else s.req.token_ids)[n0:s.end]
+        n0, end = spec.prefix_len, s.end if end is None else end
+        if row_tokens is None:
+            row_tokens = self._row_tokens(s) if spec.prev_index >= 0 else s.req.token_ids
+        verified = row_tokens[n0:end]
         extend = np.asarray(spec.tokens)
         if spec.prev_index >= 0:  # [overlap] the placeholder, resolved
-            extend = np.append(extend[:-1], np.int32(self._pending_token(s)))
+            extend = np.append(extend[:-1], np.int32(row_tokens[spec.end - 1]))
         if (len(extend) != len(verified) + len(s.drafts)
                 or not np.array_equal(extend[:len(verified)], verified)):
             raise DataflowError(f"request {rid}: extend tokens are not tokens[{n0}:{s.end}] "
@@ -287,7 +414,7 @@ class ShadowRunner(ShadowTier):
     def reset_pools(self) -> None:
         for a in (self.kv_len, self.kv_key, self.slot_len, self.slot_key):
             a[:] = 0
-        self._future = np.zeros(0, np.int32)
+        self._future, self._prev_multi = np.zeros(0, np.int32), None
         self._lost = False
         self.host_kv, self.host_slot = {}, {}  # [host tier] the cache starts empty too
         self._loads = {}

@@ -56,6 +56,11 @@ class Runner(Protocol):
         """Dispatch one step; its sampled tokens and logprobs (one per logits row), read with
         ``np.asarray`` (which waits for the device and raises if the step failed)."""
 
+    def run_multi(self, scheduled: Sequence[ScheduledSeq], iterations: int) -> tuple[Any, Any]:
+        """[multi-step decode] Dispatch ``iterations`` decode iterations of decode rows (row i
+        runs ``scheduled[i].steps`` of them, fewer if it stops: ``engine/multi_step.py``);
+        tokens and logprobs ``[iterations, rows]``."""
+
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
     def transfer(self, t: Any, in_use: Any = None) -> None:
@@ -81,6 +86,7 @@ class InFlight:
     tokens: Any  # [L] int32, on the device until read
     logprobs: Any  # [L] float32
     drafts: Any = None  # [speculative mtp] int32 [rows, k]: the MTP head's drafts per row
+    iterations: int = 1  # [multi-step decode] K: tokens and logprobs are [K, L]
 
 
 class StepLoop:
@@ -123,9 +129,9 @@ class StepLoop:
         if self.depth:
             if launched is not None and self.in_flight is launched:
                 for i, row in launched.rows:
-                    req = launched.scheduled[i].req
-                    if req.status is RUNNING:
-                        req.mark_pending(row)
+                    s = launched.scheduled[i]
+                    if s.req.status is RUNNING:
+                        s.req.mark_pending(row, s.steps)
             if self.in_flight is not None and not e.has_unfinished():
                 self._drop()  # only dropped rows are left in flight
         self._settle_loads()
@@ -154,8 +160,12 @@ class StepLoop:
         ready = getattr(prev.tokens, "is_ready", None) if prev is not None else None
         host_bound = ready() if ready is not None else None  # before the batch is built
         t_run = 0.0 if self.depth else time.perf_counter()
+        iterations = self.scheduler.iterations
         try:
-            tokens, logprobs = e.runner.run(scheduled)
+            if iterations > 1:
+                tokens, logprobs = e.runner.run_multi(scheduled, iterations)
+            else:
+                tokens, logprobs = e.runner.run(scheduled)
         except AssertionError:
             raise  # a broken invariant (the shadow runner's data-flow check) is a bug: no retry
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests only
@@ -166,6 +176,11 @@ class StepLoop:
                           host_bound=host_bound)
         # the rows that sample, with their first logits row; before any token is pending
         advance, stats = self.scheduler.advance, self.stats
+        if iterations > 1:  # [multi-step decode] every row a decode row that samples
+            for s in scheduled:
+                advance(s)
+            return InFlight(scheduled, [(i, i) for i in range(len(scheduled))], tokens,
+                            logprobs, iterations=iterations)
         if self.spec is None:  # one logits row per row, no verify row: one loop (per row)
             rows = []
             for i, s in enumerate(scheduled):
@@ -205,6 +220,9 @@ class StepLoop:
         e.stats.on_flight(now, -1)
         # Python ints and floats once (the values int() / float() of each element give)
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        if fl.iterations > 1:
+            self._read_multi(fl, token_list, logprob_list, now, outs)
+            return now - t_wait
         if self.spec is None:  # no verify row: one token per row (per row of every step)
             self._read_tokens(fl, token_list, logprob_list, now, outs)
             return now - t_wait
@@ -253,6 +271,43 @@ class StepLoop:
             out = append(req, token_list[row], logprob_list[row], now)
             if out is not None:
                 outs.append(out)
+
+    def _read_multi(self, fl: InFlight, token_list: list[list[int]],
+                    logprob_list: list[list[float]], now: float,
+                    outs: list[RequestOutput]) -> None:
+        """[multi-step decode] Each row appends its tokens ``[iteration][row]`` up to its stop
+        (the device froze the row there: the same stop rule, ``finish_reason``); a row that
+        stopped before its last planned token first rewinds its lease to the tokens computed
+        (``Scheduler.rewind``), so the finish inserts exactly those with their state."""
+        scheduled, eos = fl.scheduled, self.eos_token_id
+        token_read = self.scheduler.token_read if self.depth else None
+        by_row = list(zip(*token_list, strict=True))  # [row][iteration]: one transpose
+        lp_by_row = list(zip(*logprob_list, strict=True))
+        for i, row in fl.rows:
+            s = scheduled[i]
+            req = s.req
+            if req.status is FINISHED:
+                continue  # finished (abort, error) while this row ran: its tokens are dropped
+            n, p = s.steps, req.params
+            toks = by_row[row][:n]
+            # finish_reason's stop rule over the row's tokens: the first stop token ends it
+            for t in p.stop_token_ids if p.ignore_eos or eos is None \
+                    else (*p.stop_token_ids, eos):
+                if t in toks:
+                    n = min(n, toks.index(t) + 1)
+            if n < len(toks):
+                toks = toks[:n]
+            if token_read is not None:
+                token_read(req, s.steps)  # those past a stop are read (and dropped) too
+            req.output_ids.extend(toks)
+            req.output_logprobs.extend(lp_by_row[row][:n])
+            req.token_times_s.extend([now] * n)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            reason = self.finish_reason(req, toks[-1], len(req.output_ids))
+            if reason is not None:
+                self.scheduler.rewind(s, n - 1)
+                outs.append(self._finish(req, reason))
 
     def _drop(self) -> None:
         """Read the step in flight when no row of it has a reader left (the engine goes idle)."""
@@ -310,6 +365,10 @@ class StepLoop:
             reason = self.constraint_reason(req, token) or reason
         if reason is None:
             return None
+        return self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
+        """``req`` is done (``reason``): release it, count it, its output."""
         e = self.engine
         e.scheduler.finish(req, reason)
         e.stats.on_finish(req)

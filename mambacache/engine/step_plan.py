@@ -103,6 +103,12 @@ class ScheduledSeq:
     branch: int = 0
     branches: tuple[ScheduledSeq, ...] = ()
     branch_pages: np.ndarray | None = None
+    # [multi-step decode] the decode iterations this row runs in a K-step dispatch (``end =
+    # start + steps``; its spec is the first iteration's), and the one (``snap_iter``, -1:
+    # none) whose state goes to ``snap_slot``, a page-boundary snapshot (``engine/multi_step.py``)
+    steps: int = 1
+    snap_iter: int = -1
+    snap_slot: int = 0
 
     @property
     def verifies(self) -> bool:
@@ -113,6 +119,19 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """The chunk reaches the request's last token, so its logits give the next token."""
         return self.end == self.req.num_tokens
+
+
+#: [multi-step decode] stop token ids (EOS included) a row may have for the device to stop it
+MAX_DEVICE_STOPS = 8
+
+
+def device_stop_ids(params: SamplingParams, eos_token_id: int | None) -> tuple[int, ...]:
+    """[multi-step decode] The tokens that stop a row on the device (``StepLoop.finish_reason``'s
+    stop rule): its stop token ids and the EOS unless ``ignore_eos``."""
+    stops = tuple(params.stop_token_ids)
+    if not params.ignore_eos and eos_token_id is not None:
+        stops += (int(eos_token_id),)
+    return stops
 
 
 def logit_rows(

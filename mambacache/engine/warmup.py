@@ -1,7 +1,8 @@
 """``Engine.warmup``: compile every step program a configuration can run, before the clock starts.
 
 The set is ``engine/buckets.py``'s ``Buckets.program_set`` for the engine's config: decode
-widths x pages per sequence, extend token buckets (x logits rows with verify rows), plus the
+widths x pages per sequence (twice with ``scheduler.decode_steps`` > 1: the multi-step
+programs), extend token buckets (x logits rows with verify rows), plus the
 speculative slot copy and the host tier's gather / scatter widths (``engine/host_pools.py``).
 ``max_seq_len`` bounds the pages per sequence (default: the model's context): a request longer
 than it still runs, on a program outside the warmed set.
@@ -45,7 +46,7 @@ def engine_buckets(cfg: Any, model_cfg: Any, max_seqs: int,
         max_logit_rows=verify if k else 0,
         max_snapshots=(2 * max_seqs + sched.chunked_prefill_size // max(interval, 1)
                        + (verify if k else 0)),  # a verify row: a state per draft + its window's
-        min_rows=min_rows(cfg))
+        min_rows=min_rows(cfg), decode_steps=sched.decode_steps)
 
 
 def min_rows(cfg: Any) -> int:

@@ -87,7 +87,8 @@ class Server:
                 stop_token_ids=tuple(sorted(stop_ids)), ignore_eos=req.ignore_eos,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
-                constraint=structured.for_openai(self, req, chat))
+                constraint=structured.for_openai(self, req, chat),
+                host_stops=bool(req.stop_strings()))
         except ValueError as err:  # the protocol's bounds are the engine's: not expected
             field = str(err).split(" ", 1)[0]
             raise ApiError(http_names(str(err)), param=http_names(field)) from None

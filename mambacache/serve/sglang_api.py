@@ -132,7 +132,8 @@ def sampling_params(server: Any, sp: SglSampling) -> SamplingParams:
                           presence_penalty=sp.presence_penalty,
                           frequency_penalty=sp.frequency_penalty,
                           repetition_penalty=sp.repetition_penalty,
-                          constraint=structured.for_sglang(server, sp))
+                          constraint=structured.for_sglang(server, sp),
+                          host_stops=bool(sp.stop_strings()))
 
 
 async def submit(server: Any, prompt: list[int], params: SamplingParams, param: str,
