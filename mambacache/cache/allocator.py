@@ -86,6 +86,11 @@ class IdAllocator:
         """Ids that are free, held or in the tree: ``num_ids - num_fenced``."""
         return self.num_ids - self._num_fenced
 
+    def share_protected(self, locked: int) -> float:
+        """``(locked + num_held) / num_usable``: the share of the pool protected from eviction,
+        given the ``locked`` ids the tree pins (``CacheBase.usage``, every step)."""
+        return (locked + self._num_held) / (self.num_ids - self._num_fenced)
+
     def in_use_above_limit(self) -> int:
         """Ids above ``limit`` still held by a request or owned by the tree."""
         return self.num_ids - self.limit - self._num_fenced

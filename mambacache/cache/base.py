@@ -194,6 +194,12 @@ class CacheBase:
             return ids
         return min(ids, (self.free_bytes() + self.evictable_bytes()) // self.budget.slot_bytes)
 
+    def usage(self) -> tuple[float, float]:
+        """``(token_usage, mamba_usage)`` of ``stats()`` without building it: the protected
+        share of each pool (locked in the tree + held by requests)."""
+        return (self.pages.share_protected(self.locked_pages()),
+                self.slots.share_protected(self.locked_slots()))
+
     def record_skipped(self, num: int = 1) -> None:
         self.counters["snapshots_skipped"] += num
 

@@ -30,7 +30,8 @@ class DisabledCache(CacheBase):
         return MatchResult(0, _EMPTY, None, self._root, 0)
 
     def insert(self, token_ids, page_ids, snapshots: dict[int, int] | None = None,
-               extra_key: Any = None) -> InsertResult:
+               extra_key: Any = None, *, below: Any = None) -> InsertResult:
+        """Frees every id passed (``below``, an extension's start, is this cache's root)."""
         snaps = snapshots or {}
         pages = np.asarray(page_ids, dtype=np.int32)
         self.pages.free(pages)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mambacache.cache.node import InsertResult, Node, as_tokens, make_root
+from mambacache.cache.node import InsertResult, Node, as_tokens, make_root, path_tokens
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _INT_TYPES = (int, np.integer)
@@ -30,66 +30,95 @@ class TreeInsert:
     """``insert`` for ``MambaRadixCache`` (uses its ``_walk``, allocators, orders, counters)."""
 
     def insert(self, token_ids, page_ids, snapshots: dict[int, int] | None = None,
-               extra_key: Any = None) -> InsertResult:
+               extra_key: Any = None, *, below: Node | None = None) -> InsertResult:
         """Cache ``token_ids`` (their KV in ``page_ids``) with state snapshots ``{pos: slot}``.
 
         ``page_ids``: ``int32[ceil(len(token_ids) / page_size)]``. Takes ownership of every page
         and slot passed; see ``InsertResult`` for what was kept.
+
+        ``below`` (an extension): a live node on the sequence's path holding a state (the
+        inserting request's locked node), or a root. ``token_ids`` / ``page_ids`` are then only
+        the part past it (``tokens[below.depth:]``, ``pages[below.depth // page_size:]``) and the
+        walk starts there; the pages above it must be the tree's own (the request read them from
+        the tree). Snapshot positions stay absolute and must lie past ``below.depth``. The result
+        is that of inserting the whole sequence from the root.
         """
         ps = self.page_size
         tokens, pages = as_tokens(token_ids), as_tokens(page_ids)  # 0. validate
-        whole = len(tokens) // ps * ps
         if len(pages) != -(-len(tokens) // ps):  # both 1-D (as_tokens)
             raise ValueError(f"insert: {len(tokens)} tokens need {-(-len(tokens) // ps)} pages of "
                              f"{ps}, got page_ids of shape {pages.shape}")
-        if self._tuner is not None and extra_key is None:
-            self._tuner.record_insert(tokens)
-        if self.split_tuner is not None and extra_key is None:  # [rebalance]
-            self.split_tuner.record_insert(tokens)
-        root = self.roots.get(extra_key)
-        if root is None:
-            root = self.roots[extra_key] = make_root(extra_key)
-        # 1. where the sequence leaves the tree; which snapshots are taken; how much is kept
-        path, shared_end, partial, partial_len = self._walk(root, tokens, whole)
         snaps = snapshots or {}
+        if below is None:
+            start = self.roots.get(extra_key)
+            if start is None:
+                start = self.roots[extra_key] = make_root(extra_key)
+            base = 0
+        else:
+            base = below.depth
+            self._check_below(below, snaps)
+            start = below
+        whole = base + len(tokens) // ps * ps
+        if (self._tuner is not None or self.split_tuner is not None) and extra_key is None:
+            full = tokens if not base else np.concatenate([path_tokens(below), tokens])
+            if self._tuner is not None:
+                self._tuner.record_insert(full)
+            if self.split_tuner is not None:  # [rebalance]
+                self.split_tuner.record_insert(full)
+        # 1. where the sequence leaves the tree; which snapshots are taken; how much is kept
+        path, shared_end, partial, partial_len = self._walk(start, tokens, whole, base)
         accepted, rejected = self._classify(snaps, path, shared_end, whole)
-        kept = accepted[-1] if accepted else 0  # the deepest state on the path or accepted
+        kept = accepted[-1] if accepted else base  # the deepest state on the path or accepted
         for node in path:
             if node.slot is not None and node.depth > kept:
                 kept = node.depth
         # 2. ids: duplicate and surplus pages freed, new pages adopted, slots freed or adopted
-        new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept)
+        new_pages, num_freed = self._take_ids(pages, path, shared_end, partial, partial_len, kept,
+                                              base)
         if rejected:
             self.free_slots([int(snaps[p]) for p in rejected])
         if accepted:
             self.slots.adopt([int(snaps[p]) for p in accepted])
         # 3. nodes ending at each accepted position and at ``kept``
-        at = self._nodes_at(root, tokens, new_pages, path, shared_end, partial, partial_len,
-                            accepted, kept, extra_key)
+        at = self._nodes_at(start, tokens, new_pages, path, shared_end, partial, partial_len,
+                            accepted, kept, extra_key, base)
         # 4. the states go into their nodes (most recent last in both orders)
-        spec_slots = self.spec_slots
+        spec_slots, lru_state, lru_all = self.spec_slots, self.lru_state, self.lru_all
         for pos in accepted:
             node = at[pos]
             node.slot = slot = int(snaps[pos])
-            self.lru_state[node] = None
-            self.lru_all.move_to_end(node)
+            lru_state[node] = None
+            lru_all.move_to_end(node)
             if spec_slots and slot in spec_slots:
                 spec_slots.remove(slot)
                 node.spec = True
                 self.lru_spec[node] = None
-        self.counters["snapshots_kept"] += len(accepted)
-        self.counters["snapshots_rejected"] += len(rejected)
-        if not root.children and extra_key is not None:
+        counters = self.counters
+        counters["snapshots_kept"] += len(accepted)
+        counters["snapshots_rejected"] += len(rejected)
+        if start.parent is None and not start.children and extra_key is not None:
             del self.roots[extra_key]
         return InsertResult(kept, at[kept], tuple(accepted), tuple(rejected), len(new_pages),
                             num_freed)
 
+    @staticmethod
+    def _check_below(below: Node, snapshots: dict[int, int]) -> None:
+        """``ValueError`` unless ``below`` can start an extension (``insert``'s ``below``)."""
+        if not below.alive or (below.parent is not None and below.slot is None):
+            raise ValueError(f"insert below {below!r}: it is "
+                             f"{'evicted' if not below.alive else 'a tombstone'}")
+        if snapshots and min(snapshots) <= below.depth:
+            raise ValueError(f"insert below {below!r}: snapshot position {min(snapshots)} is "
+                             f"not past its depth {below.depth}")
+
     def _nodes_at(self, root: Node, tokens: np.ndarray, new_pages: np.ndarray, path: list[Node],
                   shared_end: int, partial: Node | None, partial_len: int, accepted: list[int],
-                  kept: int, extra_key: Any) -> dict[int, Node]:
+                  kept: int, extra_key: Any, base: int = 0) -> dict[int, Node]:
         """``{position: node ending there}`` for ``accepted + [kept]``: first a chain of new nodes
         past the shared prefix (splitting ``partial`` where the sequence leaves its edge), then
-        the existing nodes on the path (splitting an edge where a position falls inside it)."""
+        the existing nodes on the path (splitting an edge where a position falls inside it).
+        ``root``: where the walk started (a root, or ``insert``'s ``below`` at depth ``base``;
+        ``tokens[0]`` is the token at position ``base``)."""
         at: dict[int, Node] = {}
         if kept > shared_end:
             parent = self._split(partial, partial_len) if partial is not None else (
@@ -100,13 +129,13 @@ class TreeInsert:
                 self._demote(parent)  # a deeper state on the same path supersedes it
             ends = [p for p in accepted if p > shared_end]
             at.update(zip(ends, self._new_chain(parent, tokens, new_pages, shared_end, ends,
-                                                 extra_key), strict=True))
+                                                 extra_key, base), strict=True))
         old = [p for p in accepted if p <= shared_end]
         if kept <= shared_end:
             old.append(kept)
         if old:
             start = self._deepest_above(root, path, old)
-            at.update(zip(old, self._nodes_ending_at(start, tokens, old), strict=True))
+            at.update(zip(old, self._nodes_ending_at(start, tokens, old, base), strict=True))
         return at
 
     @staticmethod
@@ -120,17 +149,27 @@ class TreeInsert:
         return start
 
     def _new_chain(self, parent: Node, tokens: np.ndarray, pages: np.ndarray, begin: int,
-                   ends: list[int], extra_key: Any) -> list[Node]:
-        """New nodes below ``parent`` for ``tokens[begin:ends[-1]]`` (KV ``pages``), one ending at
-        each of the sorted ``ends``; returns them top down."""
+                   ends: list[int], extra_key: Any, base: int = 0) -> list[Node]:
+        """New nodes below ``parent`` for positions ``[begin, ends[-1])`` (``tokens`` start at
+        position ``base``; KV ``pages``), one ending at each of the sorted ``ends``; returns
+        them top down."""
         ps = self.page_size
-        key = tokens[begin:ends[-1]].copy()
+        key = tokens[begin - base:ends[-1] - base].copy()
+        lru_all = self.lru_all
+        if len(ends) == 1:  # the usual chain: one node, the arrays whole (no views made)
+            node = Node(key, pages, parent, ends[0], extra_key)
+            node.first_page = first = key[:ps].tobytes()
+            parent.children[first] = node
+            lru_all[node] = None
+            return [node]
+        raw = key.tobytes()  # first pages as bytes slices (cheaper than a view + tobytes each)
         out, pos = [], begin
         for end in ends:
             lo, hi = pos - begin, end - begin
             node = Node(key[lo:hi], pages[lo // ps:hi // ps], parent, end, extra_key)
-            self._link(parent, node)
-            self.lru_all[node] = None
+            node.first_page = first = raw[4 * lo:4 * (lo + ps)]
+            parent.children[first] = node
+            lru_all[node] = None
             out.append(node)
             parent, pos = node, end
         return out
@@ -152,23 +191,26 @@ class TreeInsert:
         return accepted, rejected
 
     def _take_ids(self, pages: np.ndarray, path: list[Node], shared_end: int,
-                  partial: Node | None, partial_len: int, kept: int) -> tuple[np.ndarray, int]:
-        """Free duplicate / surplus pages; adopt the new ones ``[shared_end, kept)``.
+                  partial: Node | None, partial_len: int, kept: int,
+                  base: int = 0) -> tuple[np.ndarray, int]:
+        """Free duplicate / surplus pages; adopt the new ones ``[shared_end, kept)`` (positions;
+        ``pages[0]`` holds position ``base``, ``path`` starts below it).
 
         Returns ``(new_pages, num_freed)``.
         """
         ps = self.page_size
-        n_shared = shared_end // ps
+        n_base = base // ps
+        n_shared = shared_end // ps - n_base
         nodes = path + [partial] if partial is not None else path
         to_free, offset = [], 0
-        raw = pages.tobytes()
+        raw = pages.tobytes() if nodes else b""
         for node in nodes:  # pages equal to the tree's are the tree's own (a cache hit)
             tree = node.pages if node is not partial else node.pages[:partial_len // ps]
             if not raw.startswith(tree.tobytes(), 4 * offset):
                 mine = pages[offset:offset + len(tree)]
                 to_free.append(mine[mine != tree])
             offset += len(tree)
-        surplus = max(shared_end, kept) // ps
+        surplus = max(shared_end, kept) // ps - n_base
         if surplus < len(pages):
             to_free.append(pages[surplus:])
         num_freed = sum(len(x) for x in to_free) if to_free else 0
@@ -176,19 +218,21 @@ class TreeInsert:
             self.pages.free(np.concatenate(to_free) if len(to_free) > 1 else to_free[0])
         if kept <= shared_end:
             return _EMPTY, num_freed
-        new = pages[n_shared:kept // ps].copy()
+        new = pages[n_shared:kept // ps - n_base].copy()
         self.pages.adopt(new)
         return new, num_freed
 
-    def _nodes_ending_at(self, start: Node, tokens: np.ndarray, positions: list[int]) -> list[Node]:
+    def _nodes_ending_at(self, start: Node, tokens: np.ndarray, positions: list[int],
+                         base: int = 0) -> list[Node]:
         """The nodes ending exactly at each of the sorted ``positions`` on the (existing) path of
-        ``tokens`` below ``start`` (a node on that path, at most as deep as the first position),
-        splitting edges as needed; a position equal to ``start.depth`` gives ``start``."""
+        ``tokens`` (starting at position ``base``) below ``start`` (a node on that path, at most
+        as deep as the first position), splitting edges as needed; a position equal to
+        ``start.depth`` gives ``start``."""
         ps = self.page_size
         node, depth, out = start, start.depth, []
         for pos in positions:
             while depth < pos:
-                child = node.children[tokens[depth:depth + ps].tobytes()]
+                child = node.children[tokens[depth - base:depth - base + ps].tobytes()]
                 end = depth + len(child.key)
                 if end > pos:
                     child, end = self._split(child, pos - depth), pos

@@ -98,6 +98,10 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
     def locked_slots(self) -> int:
         return self._locked_slots
 
+    def usage(self) -> tuple[float, float]:
+        return (self.pages.share_protected(self._locked_pages),
+                self.slots.share_protected(self._locked_slots))
+
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["tree_nodes"] = len(self.lru_all)
@@ -115,27 +119,30 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
             self.host_tier.check()
 
     # --------------------------------------------------------------------------- walking
-    def _walk(self, root: Node, tokens: np.ndarray, limit: int):
-        """Follow ``tokens[:limit]`` (``limit`` a page multiple) down from ``root``.
+    def _walk(self, root: Node, tokens: np.ndarray, limit: int, base: int = 0):
+        """Follow the tokens up to position ``limit`` (a page multiple) down from ``root``, a
+        node at depth ``base`` (``tokens[0]`` is the token at position ``base``).
 
-        Returns ``(path, shared_end, partial, partial_len)``: the nodes matched whole, the number
-        of tokens found in the tree (page multiple), and the child whose edge the tokens leave
-        after ``partial_len`` tokens (``None`` if they leave at a node boundary).
+        Returns ``(path, shared_end, partial, partial_len)``: the nodes below ``root`` matched
+        whole, the position up to which the tokens are in the tree (page multiple), and the
+        child whose edge the tokens leave after ``partial_len`` tokens (``None`` if they leave
+        at a node boundary).
         """
         ps = self.page_size
         raw = tokens.tobytes()  # bytes slices are ~5x cheaper than numpy slices + tobytes
-        node, pos, path = root, 0, []
+        node, pos, path = root, base, []
         while pos < limit:
-            child = node.children.get(raw[4 * pos:4 * (pos + ps)])
+            at = 4 * (pos - base)
+            child = node.children.get(raw[at:at + 4 * ps])
             if child is None:
                 break
             klen = len(child.key)
             n = min(klen, limit - pos)
             key = child.key.tobytes() if n == klen else child.key[:n].tobytes()
-            if raw.startswith(key, 4 * pos):
+            if raw.startswith(key, at):
                 same = n
             else:
-                diff = child.key[:n] != tokens[pos:pos + n]
+                diff = child.key[:n] != tokens[pos - base:pos - base + n]
                 same = int(np.flatnonzero(diff)[0]) // ps * ps
             if same < klen:
                 return path, pos + same, child, same

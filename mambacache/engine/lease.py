@@ -211,9 +211,13 @@ class Lease:
         if need <= 0:
             return True
         if need == 1:  # a decode row at page size 1, every step: no array
-            page = self._mgr.cache.alloc_page()
+            cache = self._mgr.cache
+            # the free list's top when no eviction can be needed (what ``alloc_page`` returns)
+            page = cache.pages.alloc_one() if cache.budget is None else None
             if page is None:
-                return False
+                page = cache.alloc_page()
+                if page is None:
+                    return False
             self.take_page(page)
             return True
         pages = self._mgr.cache.alloc_pages(need)
@@ -243,6 +247,14 @@ class Lease:
 
     def take_page(self, page: int) -> None:
         """``take_pages`` of one page id (a Python int). Mutates ``own_page_ids``."""
+        buf, view = self._page_buf, self._page_view
+        if view is not None:  # the buffer in use (every decode step but the first)
+            have = len(view)
+            if have < len(buf):
+                buf[have] = page
+                self.own_page_ids = buf[len(self.cached_page_ids):have + 1]
+                self._page_view = buf[:have + 1]
+                return
         num_cached = len(self.cached_page_ids)
         have = num_cached + len(self.own_page_ids)
         buf = self._buffer(num_cached, have, have + 1)
@@ -464,14 +476,16 @@ class Lease:
         cache, ps = self._mgr.cache, self._mgr.page_size
         num_pages = n // ps
         pages = self.page_ids
-        res = cache.insert(src.token_slice(0, n), pages[:num_pages], snapshots=snaps,
-                           extra_key=src.extra_key)
+        res = self._insert(cache, src, n, pages, num_pages, snaps)
         if res.kept_len // ps != num_pages:
             raise AssertionError(f"insert kept {res.kept_len} of {n} tokens of a running request")
         cache.lock(res.node)
         cache.unlock(self.node)
         self.node = res.node
-        self.cached_page_ids = np.asarray(res.page_ids, np.int32)
+        # no page freed: the tree's pages of the prefix are the ones passed (ids are unique, so
+        # a page of the tree's own below the node would have freed ours as a duplicate)
+        self.cached_page_ids = pages[:num_pages] if not res.freed_pages \
+            else np.asarray(res.page_ids, np.int32)
         self.own_page_ids = pages[num_pages:]
         self._drop_page_buf()
 
@@ -481,7 +495,8 @@ class Lease:
         be dropped already (``drop_lane``). Unlocks the node; the lease is empty afterwards."""
         if self.scratch_slots:
             raise AssertionError(f"request {src.request_id} released with its lane held")
-        self.settle_branches(0, 0)  # a tree planned, not read (preempted while scheduling)
+        if self.branch_page_ids:  # a tree planned, not read (preempted while scheduling)
+            self.settle_branches(0, 0)
         snaps = self._take_written(drop_rest=True)
         mgr, n = self._mgr, self.num_computed
         cache = mgr.cache
@@ -497,12 +512,30 @@ class Lease:
         if len(pages) > used:  # pages taken for tokens that were never computed
             cache.free_pages(pages[used:])
         if keep:
-            cache.insert(src.token_slice(0, n), pages[:used], snapshots=snaps,
-                         extra_key=src.extra_key)
+            self._insert(cache, src, n, pages, used, snaps)
         elif snaps:
             cache.free_slots(list(snaps.values()))
         cache.unlock(self.node)
         self._clear()
+
+    def _insert(self, cache: Any, src: TokenSource, n: int, pages: np.ndarray, num_pages: int,
+                snaps: dict[int, int]) -> Any:
+        """``cache.insert`` of the first ``n`` tokens (KV ``pages[:num_pages]``, the lease's),
+        as an extension below the locked node when it can be one: the node's path is the
+        request's first ``node.depth`` tokens and ``cached_page_ids`` are the tree's pages of
+        it, so only the part past it is walked and handed over (``TreeInsert.insert``'s
+        ``below``); from the root when the node is a root or a snapshot lies at or above it.
+        Mutates the tree and the allocators (``insert`` takes ownership of the pages passed
+        and the snapshots' slots)."""
+        node = self.node
+        base = node.depth
+        num_cached = len(self.cached_page_ids)
+        if node.parent is None or base > n or num_cached * self._mgr.page_size != base \
+                or (snaps and min(snaps) <= base):
+            return cache.insert(src.token_slice(0, n), pages[:num_pages], snapshots=snaps,
+                                extra_key=src.extra_key)
+        return cache.insert(src.token_slice(base, n), pages[num_cached:num_pages],
+                            snapshots=snaps, extra_key=src.extra_key, below=node)
 
     def abandon(self) -> None:
         """The pools and the cache are gone (a failed step consumed them): forget every id

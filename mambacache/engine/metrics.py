@@ -56,10 +56,8 @@ class EngineMetrics:
         else:
             self.pure_decode_steps += 1
             self.decode_program_steps += program
-        c = engine.cache  # protected share of each pool (cache.stats()'s usage, without a dict)
-        pages, slots = c.pages, c.slots
-        tokens = (c.locked_pages() + pages.num_held) / pages.num_usable
-        states = (c.locked_slots() + slots.num_held) / slots.num_usable
+        # protected share of each pool (cache.stats()'s usage, without a dict)
+        tokens, states = engine.cache.usage()
         if tokens > self.peak_token_usage:
             self.peak_token_usage = tokens
         if states > self.peak_mamba_usage:
