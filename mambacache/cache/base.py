@@ -5,7 +5,8 @@ implements the allocation API on top of the subclass's eviction:
 
 * ``alloc_pages(n)`` / ``alloc_slots(n)``: ``int32[n]`` ids held by the caller, evicting as the
   policy says when the free list is short; ``None`` when even eviction cannot free enough.
-  ``alloc_page()``: one page as a Python int (a decode row's growth at page size 1).
+  ``alloc_page()`` / ``alloc_slot()``: one id as a Python int (a decode row's page at page
+  size 1, a request's running slot or one snapshot's slot).
 * ``alloc_speculative_slots(n, evict)``: up to ``n`` slots for speculative snapshots
   (``int32[k]``, ``k <= n``), from free slots and from evicting at most ``evict`` other
   speculative states (never a firm one).
@@ -135,6 +136,15 @@ class CacheBase:
         if self.budget is None and pages.num_free:
             return pages.alloc_one()
         ids = self._alloc(pages, 1)
+        return None if ids is None else int(ids[0])
+
+    def alloc_slot(self) -> int | None:
+        """``alloc_slots(1)``'s id as a Python int (the same id, the same eviction); None if
+        impossible."""
+        slots = self.slots
+        if self.budget is None and slots.num_free:
+            return slots.alloc_one()
+        ids = self._alloc(slots, 1)
         return None if ids is None else int(ids[0])
 
     def alloc_slots(self, num: int) -> np.ndarray | None:

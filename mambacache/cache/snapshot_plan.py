@@ -78,11 +78,11 @@ def assign_snapshot_slots(cache: Any, positions: list[int], branch_len: int | No
     spec = [p for p in positions if p != branch] if cache.speculative_states else []
     out: dict[int, int] = {}
     if firm:
-        got = cache.alloc_slots(1)
+        got = cache.alloc_slot()
         if got is None:
             cache.record_skipped(1)
         else:
-            out[firm[0]] = int(got[0])
+            out[firm[0]] = got
     if spec:
         if len(spec) > 1:
             spec.sort(key=lambda p: (p != last, -p))

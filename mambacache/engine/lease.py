@@ -166,12 +166,12 @@ class Lease:
         if self.running_slot is not None:
             raise AssertionError(f"lease admitted twice (running slot {self.running_slot})")
         cache.lock(m.node)
-        slots = cache.alloc_slots(1) if cache.available_pages() >= need_pages else None
-        if slots is None:
+        slot = cache.alloc_slot() if cache.available_pages() >= need_pages else None
+        if slot is None:
             cache.unlock(m.node)
             return False
         # an admitted lease is empty (new, or cleared by ``release`` / ``abandon``)
-        self.node, self.read_slot, self.running_slot = m.node, m.read_slot, int(slots[0])
+        self.node, self.read_slot, self.running_slot = m.node, m.read_slot, slot
         self.cached_page_ids = as_tokens(m.page_ids)  # int32 already: no copy
         self._drop_page_buf()
         self.num_computed = m.cached_len
@@ -196,10 +196,10 @@ class Lease:
     def plan_snapshot(self, pos: int) -> bool:
         """Plan a snapshot at ``pos`` (a slot from the pool; False if it has none). Mutates
         ``pending_snapshots`` and the slot allocator."""
-        got = self._mgr.cache.alloc_slots(1)
+        got = self._mgr.cache.alloc_slot()
         if got is None:
             return False
-        self.pending_snapshots[pos] = int(got[0])
+        self.pending_snapshots[pos] = got
         return True
 
     # ---- growth and rows ---------------------------------------------------------------------
@@ -301,14 +301,13 @@ class Lease:
         mgr = self._mgr
         if not mgr.boundary_snapshots or end % mgr.page_size:  # per decode row: no call
             return None
-        got = mgr.cache.alloc_slots(1)
-        if got is None:
+        slot = mgr.cache.alloc_slot()
+        if slot is None:
             mgr.cache.record_skipped()
             return None
-        stale = [slot for pos, slot in self.pending_snapshots.items() if pos < end]
+        stale = [s for pos, s in self.pending_snapshots.items() if pos < end]
         if stale:
             mgr.cache.free_slots(stale)
-        slot = int(got[0])
         self.pending_snapshots = {end: slot}
         self.snapshots_in_flight = set()
         return slot
