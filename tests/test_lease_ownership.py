@@ -1,6 +1,7 @@
 """Ownership rules of the engine's host path, checked on the source (AST), each with a planted
 violation showing the check fails:
-  * only ``engine/lease.py`` and ``engine/cache_manager.py`` write a lease field (assignment,
+  * only ``engine/lease.py`` (with its mixins ``lease_pages.py`` and ``lease_windows.py``) and
+    ``engine/cache_manager.py`` write a lease field (assignment,
     augmented assignment, item assignment, ``del`` or a mutating method call on the field);
   * no module reads or writes another object's private attribute: ``engine._x`` / ``sched._x``
     (the engine's objects) nowhere in ``mambacache/``; any ``obj._x`` nowhere in the engine's
@@ -20,7 +21,8 @@ import pytest
 from mambacache.engine.lease import LEASE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
-LEASE_WRITERS = {"mambacache/engine/lease.py", "mambacache/engine/cache_manager.py"}
+LEASE_WRITERS = {"mambacache/engine/lease.py", "mambacache/engine/lease_pages.py",
+                 "mambacache/engine/lease_windows.py", "mambacache/engine/cache_manager.py"}
 #: the tree's integrity check rebuilds every count from the allocators' and the tree's own
 #: internals: an auditor reading private state on purpose (``cache/integrity.py`` docstring)
 PRIVATE_READERS = {"mambacache/cache/integrity.py"}

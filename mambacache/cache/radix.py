@@ -20,9 +20,10 @@ Semantics (and the fixes versus SGLang's ``MambaRadixCache``):
   the tree is freed (unless it is the tree's own page), KV past the deepest state of the sequence
   and the partial last page are freed, rejected snapshots are freed. Accepted snapshots heal
   tombstones or split edges. The tree keeps only whole pages; a leaf always ends in a state.
-* Eviction (``evict_pages`` / ``evict_slots``) follows the policy (``eviction.py``): KV eviction
-  removes unlocked leaves whole (state included) and then childless tombstones upward; state
-  eviction turns an internal node into a tombstone and removes a leaf whole.
+* Eviction (``evict_pages`` / ``evict_slots``, ``tree_eviction.py``) follows the policy
+  (``eviction.py``): KV eviction removes unlocked leaves whole (state included) and then
+  childless tombstones upward; state eviction turns an internal node into a tombstone and
+  removes a leaf whole.
 * Speculative states (``Node.spec``): the ``prompt_len - 1`` snapshot and periodic checkpoints
   get their slots from ``alloc_speculative_slots`` (free slots, or slots of other speculative
   states: never by evicting a firm state), which marks the slots; ``insert`` turns a marked slot
@@ -43,10 +44,11 @@ import numpy as np
 
 from mambacache.cache.base import CACHE_CLASSES, CacheBase, register_cache
 from mambacache.cache.budget import ByteBudget
-from mambacache.cache.eviction import TreeEviction, make_policy
+from mambacache.cache.eviction import make_policy
 from mambacache.cache.insert import TreeInsert
 from mambacache.cache.integrity import check_tree
 from mambacache.cache.node import MatchResult, Node, as_tokens, make_root
+from mambacache.cache.tree_eviction import TreeEviction
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 #: ``eviction = "auto"`` with a byte budget: the alpha tuner every 256 admissions on the last 128
