@@ -84,13 +84,14 @@ def inflight_branch(manager: CacheManager, req: Request, running: Sequence[Reque
     # a common prefix past cached_len (page aligned) starts with these head_len tokens: a running
     # request whose prompt does not is skipped with one C-level compare
     head_len = manager.next_page_boundary(cached_len)
-    head = _head(req, tokens, head_len) if head_len <= len(tokens) else None
-    for other in running:
-        if other.extra_key != req.extra_key:
-            continue
-        if head is not None and head_len <= other.prompt_len \
-                and not other.prompt_bytes.startswith(head):
-            continue  # shares less than head_len tokens: common <= cached_len
+    if head_len > len(tokens):  # no page boundary past cached_len below len(tokens): nothing
+        return branch_len       # shared can be longer than what it hit
+    head = _head(req, tokens, head_len)
+    key = req.extra_key
+    # a running request sharing less than head_len tokens shares at most cached_len: skipped
+    # (in one comprehension: per running request of every admission)
+    for other in [o for o in running if o.extra_key == key
+                  and (o.prompt_len < head_len or o.prompt_bytes.startswith(head))]:
         common = manager.page_floor(min(_common_with(tokens, other), len(tokens) - 1))
         if common <= cached_len:
             continue
