@@ -1,14 +1,16 @@
 """Optional: our whole host path against SGLang's own ``MambaRadixCache`` tree, same trace, one
 process (issue 23). Not part of CI; skips with a message when ``sglang`` or ``torch`` is absent.
 
-    python scripts/compare_sglang_tree.py [--requests 2000] [--tail 64] [--repeats 3]
+    python scripts/compare_sglang_tree.py [--requests 2000] [--tail 64] [--repeats 3] \
+        [--decode-steps 1 8]
 
 The trace: ``shared_prefix_trace(N, 16, 512, tail, output_len=16)``. (a) ours: the engine's
-scheduler + cache on the shadow runner (``mambacache.bench.simulate.simulate``, 200k KV tokens,
-256 state slots), reported as ``engine_us_per_request`` (checks excluded) and ``us_per_request``
-(median). (b) SGLang's tree alone, driven as its scheduler drives it with the mamba extra buffer
-(``replay_sglang``: the prefill tracks the state at the match's branching point, so a second
-request of a prefix stores the 512-token state and later ones hit it, as ours do), per request in
+scheduler + cache on the shadow runner (``mambacache.bench.simulate.simulate``, 200k KV tokens, 256
+state slots), reported as ``engine_us_per_request`` (checks excluded) and ``us_per_request``
+(median); ``--decode-steps``: ours at each ``scheduler.decode_steps`` in every round (multi-step
+decode). (b) SGLang's tree alone, driven as its scheduler drives it with the mamba extra buffer
+(``replay_sglang``: the prefill tracks the state at the match's branching point, so a second request
+of a prefix stores the 512-token state and later ones hit it, as ours do), per request in
 its scheduler's order: match_prefix, inc_lock_ref, evict when a pool is short, then
 cache_finished_req's work: free the KV past the tracked length, insert up to it with the tracked
 state, dec_lock_ref. Its allocators are minimal CPU stand-ins written here (a free list of KV
@@ -221,10 +223,13 @@ def replay_sglang(mods, trace, num_kv_tokens: int, num_slots: int,
     return times, cpu, hit / max(total, 1)
 
 
-def replay_ours(trace, num_kv_tokens: int, num_slots: int, concurrency: int = 1) -> dict:
+def replay_ours(trace, num_kv_tokens: int, num_slots: int, concurrency: int = 1,
+                decode_steps: int = 1) -> dict:
     """``simulate``'s result plus ``engine_cpu_us_per_request``: the thread's CPU time in
     ``Engine.step`` less the shadow runner's ``run`` (on a loaded machine wall time mostly
-    measures the other processes), per request. Public API only: runs against older trees."""
+    measures the other processes), per request. ``decode_steps`` > 1:
+    ``scheduler.decode_steps`` (multi-step decode). Public API only: runs against older trees
+    (with ``decode_steps`` 1)."""
     from mambacache.bench.simulate import simulate
     from mambacache.config import EngineConfig
     from mambacache.engine.engine import Engine
@@ -241,14 +246,21 @@ def replay_ours(trace, num_kv_tokens: int, num_slots: int, concurrency: int = 1)
                 cpu[key] += time.thread_time() - c0
         return wrapper
 
-    cfg = EngineConfig.load(None, overrides={"cache.num_kv_tokens": num_kv_tokens,
-                                             "cache.num_mamba_slots": num_slots})
+    sets = {"cache.num_kv_tokens": num_kv_tokens, "cache.num_mamba_slots": num_slots}
+    if decode_steps > 1:
+        sets["scheduler.decode_steps"] = decode_steps
+    cfg = EngineConfig.load(None, overrides=sets)
     step, run = Engine.step, ShadowRunner.run
+    run_multi = getattr(ShadowRunner, "run_multi", None)
     Engine.step, ShadowRunner.run = timed(step, "step"), timed(run, "run")
+    if run_multi is not None:
+        ShadowRunner.run_multi = timed(run_multi, "run")
     try:
         res = simulate(trace, cfg, concurrency=concurrency)
     finally:
         Engine.step, ShadowRunner.run = step, run
+        if run_multi is not None:
+            ShadowRunner.run_multi = run_multi
     res["engine_cpu_us_per_request"] = (cpu["step"] - cpu["run"]) / res["num_requests"] * 1e6
     return res
 
@@ -280,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=1,
                     help="our scheduler.max_running_requests (simulate's default 1)")
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[1],
+                    help="ours at each scheduler.decode_steps K (multi-step decode) per round")
     ap.add_argument("--track-interval", type=int, default=256,
                     help="SGLang's --mamba-track-interval (decode-tracked states)")
     ap.add_argument("--baseline-tree", default=None,
@@ -304,30 +318,39 @@ def main(argv=None) -> int:
     if mods is None:
         print(f"skipped: {why} (optional comparison, not part of CI)")
         return 0
-    ours, base, sgl, sgl_med = [], [], [], []
+    ks = args.decode_steps
+    ours_k: dict[int, list] = {k: [] for k in ks}
+    base, sgl, sgl_med = [], [], []
     for i in range(args.repeats):
-        res = replay_ours(trace, args.kv_tokens, args.slots, args.concurrency)
-        ours.append((res["engine_us_per_request"], res["engine_cpu_us_per_request"]))
-        line = (f"round {i}: ours engine_us_per_request {ours[-1][0]:.1f} (CPU {ours[-1][1]:.1f},"
-                f" hit rate {res['hit_rate']:.3f})")
+        line = f"round {i}:"
+        for k in ks:
+            res = replay_ours(trace, args.kv_tokens, args.slots, args.concurrency, k)
+            ours_k[k].append((res["engine_us_per_request"], res["engine_cpu_us_per_request"]))
+            line += (f" ours (K {k}) engine_us_per_request {ours_k[k][-1][0]:.1f} (CPU "
+                     f"{ours_k[k][-1][1]:.1f}, hit rate {res['hit_rate']:.3f}, steps "
+                     f"{res['steps']});")
         if args.baseline_tree:
             b = _ours_in(args.baseline_tree, args)
             base.append((b["engine_us_per_request"], b["engine_cpu_us_per_request"]))
-            line += f"; baseline {base[-1][0]:.1f} (CPU {base[-1][1]:.1f})"
+            line += f" baseline {base[-1][0]:.1f} (CPU {base[-1][1]:.1f});"
         t, c, sgl_hit = replay_sglang(mods, trace, args.kv_tokens, args.slots,
                                      args.track_interval)
         sgl.append((statistics.fmean(t) * 1e6, statistics.fmean(c) * 1e6))
         sgl_med.append(statistics.median(t) * 1e6)
-        print(f"{line}; SGLang tree mean {sgl[-1][0]:.1f} (CPU {sgl[-1][1]:.1f}), median "
+        print(f"{line} SGLang tree mean {sgl[-1][0]:.1f} (CPU {sgl[-1][1]:.1f}), median "
               f"{sgl_med[-1]:.1f} us, hit rate {sgl_hit:.3f}", flush=True)
-    print(_row("ours engine_us_per_request", ours))
+    for k in ks:
+        print(_row(f"ours engine_us_per_request, decode_steps {k}", ours_k[k]))
     if base:
         print(_row("baseline engine_us_per_request", base))
     print(_row("SGLang MambaRadixCache (mean per request)", sgl)
           + f"; its per-request median {statistics.median(sgl_med):.1f} us")
-    o, s = statistics.median(v[1] for v in ours), statistics.median(v[1] for v in sgl)
-    print(f"ratio SGLang / ours, CPU per request: {s / o:.2f}x (wall "
-          f"{statistics.median(v[0] for v in sgl) / statistics.median(v[0] for v in ours):.2f}x)")
+    s = statistics.median(v[1] for v in sgl)
+    for k in ks:
+        o = statistics.median(v[1] for v in ours_k[k])
+        w = statistics.median(v[0] for v in sgl) / statistics.median(v[0] for v in ours_k[k])
+        print(f"ratio SGLang / ours (decode_steps {k}), CPU per request: {s / o:.2f}x (wall "
+              f"{w:.2f}x)")
     return 0
 
 

@@ -91,17 +91,19 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     for _ in range(args.concurrency):
         engine.add_request(rng.integers(2, 900, 576).astype(np.int32),
-                           SamplingParams(max_new_tokens=(args.steps + 20) * args.decode_steps,
-                                          ignore_eos=True))
+                           SamplingParams(max_new_tokens=(args.steps + 20) * args.decode_steps
+                                          + 1024, ignore_eos=True))  # none ends while counted
     while engine.scheduler.waiting or any(not r.output_ids for r in engine.scheduler.running):
         engine.step()
     for _ in range(4):
         engine.step()
     step = _collected(Engine.step)
+    first = sum(len(r.output_ids) for r in engine.scheduler.running)
     for _ in range(args.steps):
         step(engine)
-    print(f"steps {args.steps}, rows {args.concurrency}, tokens per row "
-          f"{sum(len(r.output_ids) for r in engine.scheduler.running) // args.concurrency}")
+    done = sum(len(r.output_ids) for r in engine.scheduler.running) - first
+    print(f"steps {args.steps}, rows {len(engine.scheduler.running)}, tokens read while "
+          f"counted {done}")
 
 
 if __name__ == "__main__":
