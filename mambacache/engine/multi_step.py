@@ -1,7 +1,7 @@
 """Multi-step decode on the device: K decode iterations (model step + sampler) in one dispatch.
 
-``scheduler.decode_steps`` (K > 1): a step whose rows all decode (``Scheduler._multi_ok``) runs
-``lax.fori_loop`` over K iterations of the decode program, and the host reads ``[K, L]`` tokens
+``scheduler.decode_steps`` (K > 1): a step whose rows all decode (``multi_plan.multi_step_ok``)
+runs ``lax.fori_loop`` over K iterations of the decode program, and the host reads ``[K, L]`` tokens
 and logprobs at once, paying its fixed step cost once per K tokens. Iteration j of row b:
 
   * feeds the token the previous iteration sampled (iteration 0: the row's own input, or the

@@ -34,15 +34,12 @@ from absl import logging
 from mambacache.config import EngineConfig
 from mambacache.engine.admission import admit
 from mambacache.engine.cache_manager import CacheManager
+from mambacache.engine.multi_plan import multi_step_ok, multi_step_rows
 from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request
 from mambacache.engine.speculative import SpecDecoder
-from mambacache.engine.step_plan import MAX_DEVICE_STOPS, ScheduledSeq, SeqSpec
+from mambacache.engine.step_plan import PLACEHOLDER, ScheduledSeq, SeqSpec
 
 __all__ = ["ScheduledSeq", "Scheduler"]
-
-#: [overlap] the extend of a decode row whose token is still on the device (read only)
-_PLACEHOLDER = np.zeros(1, np.int32)
-_PLACEHOLDER.flags.writeable = False
 
 
 class Scheduler:
@@ -97,7 +94,7 @@ class Scheduler:
             if req.num_pending != 1 or known + 1 != end:
                 raise AssertionError(f"request {req.request_id}: row [{start}, {end}) needs "
                                      f"{req.num_pending} pending tokens")
-            tokens = _PLACEHOLDER if start == known else np.append(
+            tokens = PLACEHOLDER if start == known else np.append(
                 req.token_slice(start, known), np.int32(0))
             prev = req.pending_row
         # by position (per row of every step): tokens, prefix_len, page_ids, read_slot,
@@ -134,8 +131,14 @@ class Scheduler:
             elif req.status is RUNNING:
                 decoding.append((req, req.prompt_len + num_outputs))
         if self.decode_steps > 1 and not prefilling and not held_back and decoding \
-                and self._multi_ok(decoding, num_done):
-            return self._schedule_multi(decoding)
+                and self.speculative is None and multi_step_ok(
+                    self.manager, decoding, self.waiting,
+                    self.cfg.scheduler.max_running_requests + num_done - len(self.running)):
+            multi_step_rows(self.manager, decoding, self.decode_steps, out,
+                            self._grow_or_preempt, after_plain=not self._multi_in_flight)
+            if out:
+                self.iterations, self._multi_in_flight = self.decode_steps, True
+            return list(out.values())
         self.iterations = 1
         if self._multi_in_flight:  # [overlap] a multi-step row's tokens reach a K-step only
             decoding = [(r, end) for r, end in decoding if not r.num_pending]
@@ -215,77 +218,6 @@ class Scheduler:
         return rows
 
     # ---- multi-step decode ---------------------------------------------------------------------
-    def _multi_ok(self, decoding: list[tuple[Request, int]], num_done: int) -> bool:
-        """Whether this step runs ``decode_steps`` iterations (``engine/multi_step.py``): every
-        running request decodes (no prefill), no waiting request could be admitted now (the
-        queue is empty, or the running cap is reached: an admission waits for the next
-        dispatch, at most K - 1 iterations longer), no speculative decoding or host tier load,
-        and every row stops on the device only (no penalties or grammar, no stop strings at the
-        server: ``SamplingParams.host_stops``, at most ``MAX_DEVICE_STOPS`` - 1 stop ids, no
-        snapshot planned past its start)."""
-        if self.speculative is not None or self.manager.loads_in_flight():
-            return False
-        waiting = self.waiting
-        if waiting and not waiting[0].num_pending and len(self.running) < \
-                self.cfg.scheduler.max_running_requests + num_done:
-            return False  # admit first (TTFT); the next decode-only step runs K again
-        for req, _ in decoding:
-            p, lease = req.params, req.lease
-            if p.needs_history or p.host_stops or len(p.stop_token_ids) >= MAX_DEVICE_STOPS:
-                return False
-            if lease.pending_snapshots and max(lease.pending_snapshots) > lease.num_computed:
-                return False
-        return True
-
-    def _schedule_multi(self, decoding: list[tuple[Request, int]]) -> list[ScheduledSeq]:
-        """One row per decoding request running up to ``decode_steps`` iterations: fewer when
-        its ``max_new_tokens`` comes first, when a second page boundary would fall inside
-        (one boundary snapshot per row), or when the pool cannot grow its pages that far (the
-        pages it holds, at least one token: back-pressure, never a failure), or after a plain
-        row still in flight (one iteration)."""
-        k, out, mgr = self.decode_steps, self._out, self.manager
-        ps, boundary = mgr.page_size, mgr.boundary_snapshots
-        for req, _ in decoding:
-            if req.status is not RUNNING:
-                continue  # preempted to grow an earlier row
-            lease = req.lease
-            start = lease.num_computed
-            n = min(k, req.params.max_new_tokens - len(req.output_ids) - req.num_pending)
-            if req.num_pending and not self._multi_in_flight:
-                # [overlap] after a plain row, whose stop the device cannot see: its pending
-                # token only (K = 1's chained row); the next multi row is frozen if this stops
-                n = 1
-            if boundary:
-                n = min(n, (start // ps + 2) * ps - 1 - start)
-            if not lease.grow(start + n):
-                n = min(n, lease.room(start))
-                if n < 1:
-                    if not self._grow_or_preempt(req, start + 1):
-                        continue
-                    n = 1
-            known = req.prompt_len + len(req.output_ids)
-            if req.num_pending:  # [overlap] its newest token is on the device
-                if start != known + req.num_pending - 1:
-                    raise AssertionError(f"request {req.request_id}: row at {start} with "
-                                         f"{known} tokens known, {req.num_pending} pending")
-                tokens, prev = _PLACEHOLDER, req.pending_row
-            else:
-                tokens, prev = req.token_slice(start, start + 1), -1
-            s = ScheduledSeq(req, start, start + n, steps=n)
-            running = lease.running_slot
-            s.spec = SeqSpec(tokens, start, lease.page_ids, lease.next_read_slot, running, [],
-                             "last", prev)
-            s.write_slot = running
-            window = lease.plan_decode_window(start, start + n) if boundary else None
-            if window is not None:
-                s.snap_iter, s.snap_slot = window[0] - start - 1, window[1]
-                if window[0] == start + n:  # the state after the row is the snapshot's
-                    s.write_slot = window[1]
-            out[req.request_id] = s
-        if out:
-            self.iterations, self._multi_in_flight = k, True
-        return list(out.values())
-
     def rewind(self, s: ScheduledSeq, j: int) -> None:
         """[multi-step decode] ``s``'s request stopped at its iteration ``j``: its lease counts
         the tokens through that iteration (``Lease.rewind``), before the finish inserts them."""
@@ -330,7 +262,7 @@ class Scheduler:
         if start < known:
             tokens, prev = req.token_slice(start, start + 1), -1
         elif start == known and req.num_pending == 1:  # [overlap] its token is on the device
-            tokens, prev = _PLACEHOLDER, req.pending_row
+            tokens, prev = PLACEHOLDER, req.pending_row
         else:
             return s  # ``_spec`` raises
         s.spec = SeqSpec(tokens, start, lease.page_ids, lease.next_read_slot, write, [], "last",

@@ -121,6 +121,10 @@ class ScheduledSeq:
         return self.end == self.req.num_tokens
 
 
+#: [overlap] the extend of a decode row whose token is still on the device (read only)
+PLACEHOLDER = np.zeros(1, np.int32)
+PLACEHOLDER.flags.writeable = False
+
 #: [multi-step decode] stop token ids (EOS included) a row may have for the device to stop it
 MAX_DEVICE_STOPS = 8
 
