@@ -55,7 +55,7 @@ def kimi_delta_attention(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array
     token per sequence (T == B)."""
     t, hl, d = x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim
     y, conv_pool = short_conv(x @ p["in_proj"], p["conv_w"], None, conv_pool, batch,
-                              decode=decode, impl=impl, mesh=mesh)
+                              decode=decode, impl=impl, mesh=mesh, fixed_order=cfg.deterministic)
     y = y.reshape(t, hl, 3, d)
     q, k, v = y[:, :, 0], y[:, :, 1], y[:, :, 2]
     g, beta = kda_gates(cfg, p, x)

@@ -90,19 +90,20 @@ def mamba2_mixer(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, conv_p
     if decode:
         y, conv_pool = ops.causal_conv1d_decode(
             xbc, p["conv_w"], p.get("conv_b"), conv_pool, batch.read_slot, batch.write_slot,
-            impl=impl, mesh=mesh)
+            impl=impl, mesh=mesh, fixed_order=cfg.deterministic)
     else:
         y, conv_pool = ops.causal_conv1d_extend(
             xbc, p["conv_w"], p.get("conv_b"), conv_pool, batch.cu_seqlens, batch.read_slot,
             batch.write_slot, batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl,
-            mesh=mesh)
+            mesh=mesh, fixed_order=cfg.deterministic)
     xs, b, c = _split(cfg, y)
     dt = time_step(cfg, dt, p["dt_bias"])
     a = -jnp.exp(p["A_log"].astype(F32))
     d = p["D"].astype(F32)
     if decode:
         o, ssm_pool = ops.ssd_decode(xs, dt, a, b, c, d, ssm_pool, batch.read_slot,
-                                     batch.write_slot, impl=impl, mesh=mesh)
+                                     batch.write_slot, impl=impl, mesh=mesh,
+                                     fixed_order=cfg.deterministic)
     else:
         o, ssm_pool = ops.ssd_extend(
             xs, dt, a, b, c, d, ssm_pool, batch.cu_seqlens, batch.read_slot, batch.write_slot,

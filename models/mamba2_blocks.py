@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.layers import F32, apply_rope, rope_cos_sin, swiglu
-from models.moe import moe_dense_reference, moe_grouped, route, routed_experts
+from models.moe import dense_moe, moe_dense_reference, moe_grouped, route, routed_experts
 from pallas_kernels import ops
 
 
@@ -76,7 +76,7 @@ def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, impl: 
                               cfg.norm_topk_prob, bias=p["router_bias"],
                               groups=(cfg.n_group, cfg.topk_group),
                               scale=cfg.routed_scaling_factor, fixed_order=cfg.deterministic)
-    if impl == "reference":
+    if dense_moe(cfg, impl):
         w = _weights(top_vals, top_idx, num_experts)                 # [T, E]
         h = relu2(jnp.einsum("td,edi->tei", x, p["up"]))
         per_expert = jnp.einsum("tei,eid->ted", h, p["down"]).astype(F32)
@@ -101,7 +101,7 @@ def granite_ffn(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str
     the Pallas kernels, dense with the references; or the shared SwiGLU alone."""
     if "moe" not in layer:
         return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])
-    if impl == "reference":
+    if dense_moe(cfg, impl):
         return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok, True,
                                    fixed_order=cfg.deterministic)
     return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, True, mesh=mesh,

@@ -53,16 +53,19 @@ def _gdn_split(cfg: ModelConfig, y: jax.Array):
 
 
 def short_conv(x: jax.Array, weight: jax.Array, bias: jax.Array | None, conv_pool: jax.Array,
-               batch: Any, *, decode: bool, impl: str,
-               mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+               batch: Any, *, decode: bool, impl: str, mesh: Mesh | None = None,
+               fixed_order: bool = False) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv + SiLU of x ``[T, C]`` against the conv pool (``ops``' extend with
-    the batch's slots and snapshots, or its decode step). Returns ``(y [T, C], conv_pool)``."""
+    the batch's slots and snapshots, or its decode step; ``fixed_order``: ``ops``'
+    [deterministic] decode). Returns ``(y [T, C], conv_pool)``."""
     if decode:
         return ops.causal_conv1d_decode(x, weight, bias, conv_pool, batch.read_slot,
-                                        batch.write_slot, impl=impl, mesh=mesh)
+                                        batch.write_slot, impl=impl, mesh=mesh,
+                                        fixed_order=fixed_order)
     return ops.causal_conv1d_extend(x, weight, bias, conv_pool, batch.cu_seqlens,
                                     batch.read_slot, batch.write_slot, batch.snap_seq,
-                                    batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh)
+                                    batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh,
+                                    fixed_order=fixed_order)
 
 
 def gated_delta_net(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, conv_pool: jax.Array,
@@ -74,7 +77,7 @@ def gated_delta_net(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, con
     """
     qkv, z, b, a = _gdn_project(cfg, p, x)
     y, conv_pool = short_conv(qkv, p["conv_w"], None, conv_pool, batch, decode=decode,
-                              impl=impl, mesh=mesh)
+                              impl=impl, mesh=mesh, fixed_order=cfg.deterministic)
     q, k, v = _gdn_split(cfg, y)
     beta = jax.nn.sigmoid(b).astype(F32)
     g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"])

@@ -188,17 +188,24 @@ def _routed_on_mesh(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_
                          out_specs=P(), check_vma=False)(x, top_vals, top_idx, gate_up, down)
 
 
+def dense_moe(cfg: ModelConfig, impl: str) -> bool:
+    """The MoE's dense form (every expert on every token)? With the references, and
+    [deterministic] always: a token's row of the grouped form's ``ragged_dot`` is not known to
+    be independent of how many tokens the other experts got (its tiling follows the groups)."""
+    return impl == "reference" or cfg.deterministic
+
+
 def mlp_block(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
               mesh: Mesh | None) -> jax.Array:
     """The feed-forward of the Qwen and Kimi families: dense SwiGLU (``layer["mlp"]``), or the
     MoE (``layer["moe"]``): grouped (``ragged_dot``, cost ~ T * k) with the Pallas kernels
     (GPU/TPU), the dense form (every expert on every token) with the references: on CPU
     ``ragged_dot`` lowers to a masked dense product that costs E / k times more
-    (``docs/model.md``)."""
+    (``docs/model.md``). [deterministic] The dense form with either (``dense_moe``)."""
     if "moe" in layer:
         routing = {"groups": (cfg.n_group, cfg.topk_group), "scale": cfg.routed_scaling_factor,
                    "fixed_order": cfg.deterministic}
-        if impl == "reference":
+        if dense_moe(cfg, impl):
             return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok,
                                        cfg.norm_topk_prob, **routing)
         return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob,

@@ -12,8 +12,12 @@ backend and interpreted elsewhere; ``PALLAS_INTERPRET=0|1`` overrides that
 ``pallas_kernels/reference/``.
 
 ``fixed_order`` (static; ``model.deterministic``): the references sum their row reductions
-(l2norm, softmax) in the fixed tree of ``fixed_order.py``. A deterministic model runs the
-references only (``resolve_impl``). Shapes, padding conventions and the math are in
+(l2norm, softmax) in the fixed tree of ``fixed_order.py``; the Pallas kernels that need it
+(``FIXED_ORDER_KERNELS``) carry a chunk's end state by the formula of its snapshots, and every
+decode op runs its family's extend kernel on one-token rows, so that a token past a prompt
+rounds the same in a decode step, a mixed step or a recomputation (the prefill side of the
+mode, chunks on a grid of absolute positions, is the scheduler's: ``DETERMINISTIC_GRID``).
+Shapes, padding conventions and the math are in
 ``docs/kernels.md`` and in each kernel module. All pools are returned updated (donate them in
 the caller's jit).
 
@@ -59,6 +63,14 @@ from pallas_kernels.tpu import ssd as _tpu_ssd
 from pallas_kernels.tpu.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
 
 IMPLS = ("pallas", "reference")
+#: [deterministic] the chunk grid: a multiple of every family kernel's chunk size (64, GPU KDA
+#: 32), so that a prefill cut or resumed at a multiple of it runs the chunks one from scratch runs
+DETERMINISTIC_GRID = 64
+#: [deterministic] kernels taking ``fixed_order``: their chunk-to-chunk carry is otherwise not
+#: the formula of their chunk-end snapshots (gated delta rule, KDA), or a sequence's first rows
+#: sum their taps in another order (TPU conv); the others' already keep the property
+FIXED_ORDER_KERNELS = {"tpu": frozenset({"gdr_extend", "conv_extend"}),
+                       "gpu": frozenset({"kda_extend"})}
 FAMILIES = {
     "tpu": SimpleNamespace(gdr_extend=_gdr.gated_delta_rule_extend, gdr_decode=_gdr_decode,
                            conv_extend=_conv.causal_conv1d_extend,
@@ -79,22 +91,12 @@ FAMILIES = {
 
 
 def resolve_impl(kernels: str, *, deterministic: bool = False) -> str:
-    """Map ``"auto"`` to "pallas" on gpu/tpu backends and "reference" on cpu.
-
-    [deterministic] ``deterministic`` (``model.deterministic``): "reference" on every backend,
-    and "pallas" is a ``ValueError``. The references run the recurrences token by token, so a
-    token's bits do not depend on where its extend started; the Pallas kernels compute a token
-    from its chunk's start state and in-chunk matrices, with chunks counted from each extend's
-    start (a chunked prefill, a cache hit or a decode step changes them), and sum attention in
-    blocks of their own: they do not keep the property (``docs/engine.md``)."""
+    """Map ``"auto"`` to "pallas" on gpu/tpu backends and "reference" on cpu, deterministic
+    (``model.deterministic``) or not: with "pallas" the mode holds when the scheduler cuts
+    prefills on ``DETERMINISTIC_GRID`` (``docs/engine.md``, Deterministic mode)."""
+    del deterministic  # the same choice in both modes (kept: every caller passes it)
     if kernels not in IMPLS + ("auto",):
         raise ValueError(f"kernels must be 'auto', 'pallas' or 'reference', got {kernels!r}")
-    if deterministic:
-        if kernels == "pallas":
-            raise ValueError("kernels 'pallas' cannot be deterministic (model.deterministic = "
-                             "true): the Pallas kernels' chunks start where each extend starts; "
-                             "use 'reference' or 'auto'")
-        return "reference"
     if kernels == "auto":
         return "reference" if jax.default_backend() == "cpu" else "pallas"
     return kernels
@@ -110,22 +112,36 @@ def kernel_family() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "tpu"
 
 
-def _kernel(impl: str, name: str):
-    """The family's kernel ``name`` with ``interpret`` bound, or None for "reference"."""
+def _kernel(impl: str, name: str, fixed_order: bool = False):
+    """The family's kernel ``name`` with ``interpret`` bound (and ``fixed_order`` when it is
+    one of ``FIXED_ORDER_KERNELS``), or None for "reference"."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
         return None
     family = kernel_family()
     fn = getattr(FAMILIES[family], name)
-    interpret = interpret_default(family)
-    return lambda *args, **kw: fn(*args, interpret=interpret, **kw)
+    static = {"interpret": interpret_default(family)}
+    if fixed_order and name in FIXED_ORDER_KERNELS[family]:
+        static["fixed_order"] = True
+    return lambda *args, **kw: fn(*args, **static, **kw)
 
 
 def _op(impl: str, name: str, reference, fixed_order: bool):
     """The family's kernel ``name`` (``_kernel``), or ``reference`` with ``fixed_order`` bound
     (its row sums in a fixed tree: ``fixed_order.py``, ``model.deterministic``)."""
-    return _kernel(impl, name) or functools.partial(reference, fixed_order=fixed_order)
+    return _kernel(impl, name, fixed_order) or functools.partial(reference,
+                                                                 fixed_order=fixed_order)
+
+
+def _one_token_rows(extend, *args, read_slot, write_slot, **kw):
+    """[deterministic] A decode op as ``extend`` (an extend op of this module, ``args`` up to
+    its pool) over B one-token sequences without snapshots: the bits of a one-token row of
+    any extend step (the decode kernels round differently)."""
+    b = jnp.asarray(read_slot).shape[0]
+    none = jnp.zeros(1, jnp.int32)
+    return extend(*args, jnp.arange(b + 1, dtype=jnp.int32), read_slot, write_slot, none,
+                  none, none, **kw)
 
 
 TP_AXIS = "tp"  # the mesh axis heads and channels are split over (``mambacache.parallel`` too)
@@ -169,6 +185,10 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
                             mesh: Mesh | None = None, fixed_order: bool = False):
     """q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``. Returns ``(o, ssm_pool)``.
     With ``mesh``: split as in ``gated_delta_rule_extend``."""
+    if impl == "pallas" and fixed_order:
+        return _one_token_rows(gated_delta_rule_extend, q, k, v, g, beta, ssm_pool,
+                               read_slot=read_slot, write_slot=write_slot, impl=impl, mesh=mesh,
+                               fixed_order=True)
     args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
     fn = _op(impl, "gdr_decode", _gdr_ref.gated_delta_rule_decode_reference, fixed_order)
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 2
@@ -177,21 +197,26 @@ def gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *
 
 def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot,
                          snap_seq, snap_offset, snap_slot, *, impl: str,
-                         mesh: Mesh | None = None):
+                         mesh: Mesh | None = None, fixed_order: bool = False):
     """x ``[T, C]``; weight ``[K, C]``; bias ``[C]`` or None; conv_pool ``[N, K-1, C]``.
     Returns ``(y [T, C] in x.dtype, conv_pool)``. With ``mesh``: channels of x, weight, bias, y
     and the pool split over "tp" (a depthwise conv: any contiguous channel split is exact)."""
     args = _arrays((x, weight, conv_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    fn = _kernel(impl, "conv_extend") or _conv_ref.causal_conv1d_extend_reference
+    fn = _kernel(impl, "conv_extend", fixed_order) or _conv_ref.causal_conv1d_extend_reference
     specs = (_HEADS, _HEADS, _CONV_POOL) + (_REP,) * 6
     return _with_bias(fn, bias, mesh, specs, (_HEADS, _CONV_POOL))(*args)
 
 
 def causal_conv1d_decode(x, weight, bias, conv_pool, read_slot, write_slot, *, impl: str,
-                         mesh: Mesh | None = None):
+                         mesh: Mesh | None = None, fixed_order: bool = False):
     """x ``[B, C]``, one token per sequence. Returns ``(y [B, C], conv_pool)``. With ``mesh``:
-    split as in ``causal_conv1d_extend``."""
+    split as in ``causal_conv1d_extend``. ``fixed_order`` with "pallas": the extend kernel on
+    one-token rows (``_one_token_rows``)."""
+    if impl == "pallas" and fixed_order:
+        return _one_token_rows(causal_conv1d_extend, x, weight, bias, conv_pool,
+                               read_slot=read_slot, write_slot=write_slot, impl=impl, mesh=mesh,
+                               fixed_order=True)
     args = _arrays((x, weight, conv_pool, read_slot, write_slot))
     fn = _kernel(impl, "conv_decode") or _conv_ref.causal_conv1d_decode_reference
     specs = (_HEADS, _HEADS, _CONV_POOL, _REP, _REP)
@@ -247,6 +272,9 @@ def kda_decode(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *, impl: str,
                mesh: Mesh | None = None, fixed_order: bool = False):
     """KDA, one token per sequence: shapes as ``kda_extend`` with ``T = B``. Returns
     ``(o, ssm_pool)``. With ``mesh``: heads split over "tp"."""
+    if impl == "pallas" and fixed_order:
+        return _one_token_rows(kda_extend, q, k, v, g, beta, ssm_pool, read_slot=read_slot,
+                               write_slot=write_slot, impl=impl, mesh=mesh, fixed_order=True)
     args = _arrays((q, k, v, g, beta, ssm_pool, read_slot, write_slot))
     fn = _op(impl, "kda_decode", _kda_ref.kda_decode_reference, fixed_order)
     specs = (_HEADS,) * 5 + (_POOL_HEADS,) + (_REP,) * 2
@@ -321,9 +349,13 @@ def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, s
 
 
 def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, impl: str,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, fixed_order: bool = False):
     """Mamba2 recurrent step, one token per sequence: shapes as ``ssd_extend`` with ``T = B``.
-    Returns ``(y, ssm_pool)``. With ``mesh``: split as in ``ssd_extend``."""
+    Returns ``(y, ssm_pool)``. With ``mesh``: split as in ``ssd_extend``. ``fixed_order``
+    with "pallas": the extend kernel on one-token rows (``_one_token_rows``)."""
+    if impl == "pallas" and fixed_order:
+        return _one_token_rows(ssd_extend, x, dt, a, b, c, d, ssm_pool, read_slot=read_slot,
+                               write_slot=write_slot, impl=impl, mesh=mesh)
     b, c = _ssd_groups(b, c, mesh)
     args = _arrays((x, dt, a, b, c, d, ssm_pool, read_slot, write_slot))
     fn = _kernel(impl, "ssd_decode") or _ssd_ref.ssd_decode_reference

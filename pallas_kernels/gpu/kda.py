@@ -151,7 +151,8 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
                   vnew_ref,    # [T, H, Dv] f32 out: V' = U - W S
                   hs_ref,      # [NC, H, Dk, Dv] f32 out: state at each chunk start
                   pool_out,    # [N, H, Dk, Dv] f32 finals and snapshots
-                  *, bt: int, head_k_dim: int, block_k: int, block_v: int, exact):
+                  *, bt: int, head_k_dim: int, block_k: int, block_v: int, exact,
+                  fixed_order: bool):
     b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = cu_ref[b], cu_ref[b + 1]
     kmask = jnp.arange(block_k) < head_k_dim
@@ -195,6 +196,8 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
             return carry
 
         jax.lax.fori_loop(tstart_ref[cid], tstart_ref[cid + 1], write_target, 0)
+        if fixed_order:  # [deterministic] the carry is the chunk-end target, bit for bit
+            return state_after(bt)
         kd = pltr.load(kd_ref.at[tidx, h, kidx], mask=(lane < count) & kmask[None, :],
                        other=0.0)
         return jnp.exp(g_row(count))[:, None] * s0 + _dot(kd, vnew, exact, trans_a=True)
@@ -240,7 +243,7 @@ def _chunk_cumsum(g, cu_seqlens, chunk_size: int, num_chunks: int):
 
 
 def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v, gcum, beta,
-                 ssm_pool, *, chunk_size: int, interpret: bool):
+                 ssm_pool, *, chunk_size: int, interpret: bool, fixed_order: bool):
     num_tokens, num_heads, dv = v.shape
     dk = q.shape[-1]
     num_chunks = tstart.shape[0] - 1
@@ -265,7 +268,8 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v,
         out_shape=sds((num_tokens, num_heads, chunk_size), _F32),
     )(cstart, clen, q, k, gcum)
     vnew, hs, ssm_pool = pl.pallas_call(
-        functools.partial(_state_kernel, block_v=block_vs, exact=exact, **common),
+        functools.partial(_state_kernel, block_v=block_vs, exact=exact, fixed_order=fixed_order,
+                          **common),
         grid=(read_slot.shape[0], num_heads, pl.cdiv(dv, block_vs)), interpret=interpret,
         out_shape=[sds((num_tokens, num_heads, dv), _F32),
                    sds((num_chunks, num_heads, dk, dv), _F32),
@@ -280,14 +284,18 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, tstart, trow, tslot, q, k, v,
     return o, ssm_pool
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret", "fixed_order"),
                    donate_argnames=("ssm_pool",))
 def kda_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-               snap_offset, snap_slot, *, chunk_size: int = 32, interpret: bool = False):
+               snap_offset, snap_slot, *, chunk_size: int = 32, interpret: bool = False,
+               fixed_order: bool = False):
     """Pallas Triton chunked KDA prefill; the contract of ``kda_extend_reference``
     (``chunk_size`` a power of two >= 16). q, k ``[T, H, Dk]`` raw, v ``[T, H, Dv]``, g
     ``[T, H, Dk]`` log-decay, beta ``[T, H]``, ssm_pool ``[N, H, Dk, Dv]`` f32 (donated).
-    Returns ``(o [T, H, Dv] in v.dtype, ssm_pool)``; padding tokens give 0."""
+    Returns ``(o [T, H, Dv] in v.dtype, ssm_pool)``; padding tokens give 0. [deterministic]
+    ``fixed_order``: the state carried to the next chunk is the targets' ``state_after(BT)``,
+    so a snapshot at a chunk's end holds the bits the next chunk starts from (off: the chunk
+    kernel's ``k exp(G_last - G)`` keys)."""
     check_kda(q, k, v, g, beta, ssm_pool)
     check(chunk_size >= SUB and chunk_size & (chunk_size - 1) == 0,
           f"chunk_size {chunk_size} must be a power of two >= {SUB} on GPU")
@@ -300,6 +308,7 @@ def kda_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot, sn
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     o, ssm_pool = _extend_call(i32(cu_seqlens), i32(read_slot), chunk_off, tstart, trow, tslot,
                                q, k, v, gcum, beta.astype(_F32), ssm_pool,
-                               chunk_size=chunk_size, interpret=interpret)
+                               chunk_size=chunk_size, interpret=interpret,
+                               fixed_order=fixed_order)
     _, valid = token_seq_ids(cu_seqlens, num_tokens)
     return jnp.where(valid[:, None, None], o, 0).astype(v.dtype), ssm_pool

@@ -79,7 +79,9 @@ def _conv_block_kernel(cu_ref,      # SMEM [B+1] cu_seqlens
                        acc_ref,     # [BT, BC] f32
                        local_ref,   # [BT, BC] int32: row - sequence start where < K-1, else K-1
                        init_ref,    # [8, BC] f32: the initial window of one sequence
-                       win_ref):    # [K-1, BC] pool dtype: DMA staging
+                       win_ref,     # [K-1, BC] pool dtype: DMA staging
+                       *itap_ref,   # [fixed_order] [K-1, BT, BC] f32: initial-window taps
+                       fixed_order: bool = False):
     cb, j = pl.program_id(0), pl.program_id(1)
     bt, bc = y_ref.shape
     width = w_ref.shape[0] - 1
@@ -101,7 +103,7 @@ def _conv_block_kernel(cu_ref,      # SMEM [B+1] cu_seqlens
     def _with_starts():
         _starts_step(cb, j, cu_ref, rslot_ref, slo_ref, shi_ref, tstart_ref, tseq_ref, toff_ref,
                      tslot_ref, w_ref, b_ref, pool_ref, y_ref, pool_out, xs_ref, acc_ref,
-                     local_ref, init_ref, win_ref)
+                     local_ref, init_ref, win_ref, itap_ref[0] if fixed_order else None)
 
     def window_x(k, carry):                      # windows at offsets >= K-1: rows of x only
         @pl.when((toff_ref[k] >= width) & (tslot_ref[k] > 0))
@@ -117,10 +119,13 @@ def _conv_block_kernel(cu_ref,      # SMEM [B+1] cu_seqlens
 
 def _starts_step(cb, j, cu_ref, rslot_ref, slo_ref, shi_ref, tstart_ref, tseq_ref, toff_ref,
                  tslot_ref, w_ref, b_ref, pool_ref, y_ref, pool_out, xs_ref, acc_ref, local_ref,
-                 init_ref, win_ref):
+                 init_ref, win_ref, itap_ref):
     """A step where sequences start (their first K-1 rows take the initial window): outputs
     with per-row tap masks plus the initial-window taps, and those sequences' windows at
-    offsets < K-1 (written right after their initial window is read)."""
+    offsets < K-1 (written right after their initial window is read). [deterministic]
+    ``itap_ref`` (``[K-1, BT, BC]``, else None): each initial-window tap is staged in it and
+    every row sums its taps in tap order, as a row with all its taps in x and the decode do
+    (else the initial-window taps are summed apart, then added)."""
     bt, bc = y_ref.shape
     width = w_ref.shape[0] - 1
     cols = pl.ds(pl.multiple_of(cb * bc, bc), bc)
@@ -128,6 +133,8 @@ def _starts_step(cb, j, cu_ref, rslot_ref, slo_ref, shi_ref, tstart_ref, tseq_re
     local_ref[...] = jnp.full((bt, bc), width, jnp.int32)
     row = j * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, bc), 0)   # packed row of each
     t0, t1 = tstart_ref[j], tstart_ref[j + 1]
+    if itap_ref is not None:
+        itap_ref[...] = jnp.zeros(itap_ref.shape, _F32)
 
     def one_seq(b, carry):                       # a sequence whose first rows meet this block
         start, length = cu_ref[b], cu_ref[b + 1] - cu_ref[b]
@@ -137,13 +144,19 @@ def _starts_step(cb, j, cu_ref, rslot_ref, slo_ref, shi_ref, tstart_ref, tseq_re
         init = init_ref[...]
         first = (row >= start) & (row < start + jnp.minimum(length, width))
         local_ref[...] = jnp.where(first, row - start, local_ref[...])
-        fix = jnp.zeros((bt, bc), _F32)
-        for t in range(width):                   # row start + t: its taps i < K-1-t
-            here = (row == start + t) & (t < length)   # read init row t + i
-            for i in range(width - t):
-                fix = fix + jnp.where(here, w_ref[pl.ds(i, 1), :].astype(_F32)
-                                      * init[t + i:t + i + 1], 0.0)
-        acc_ref[...] += fix
+        if itap_ref is not None:
+            for t in range(width):
+                here = (row == start + t) & (t < length)
+                for i in range(width - t):
+                    itap_ref[i] = jnp.where(here, init[t + i:t + i + 1], itap_ref[i])
+        else:
+            fix = jnp.zeros((bt, bc), _F32)
+            for t in range(width):                   # row start + t: its taps i < K-1-t
+                here = (row == start + t) & (t < length)   # read init row t + i
+                for i in range(width - t):
+                    fix = fix + jnp.where(here, w_ref[pl.ds(i, 1), :].astype(_F32)
+                                          * init[t + i:t + i + 1], 0.0)
+            acc_ref[...] += fix
 
         def window(k, c2):                       # this sequence's windows at offsets < K-1
             @pl.when((tseq_ref[k] == b) & (toff_ref[k] < width) & (tslot_ref[k] > 0))
@@ -158,6 +171,15 @@ def _starts_step(cb, j, cu_ref, rslot_ref, slo_ref, shi_ref, tstart_ref, tseq_re
 
     jax.lax.fori_loop(slo_ref[j], shi_ref[j], one_seq, 0)
     local = local_ref[...]
+    if itap_ref is not None:  # [deterministic] taps in order, each from x or the window
+        acc = jnp.broadcast_to(b_ref[...], (bt, bc))
+        for i in range(width + 1):
+            tap = xs_ref[pl.ds(HALO - width + i, bt), :]
+            if i < width:
+                tap = jnp.where(local < width - i, itap_ref[i], tap)
+            acc = acc + w_ref[pl.ds(i, 1), :].astype(_F32) * tap
+        y_ref[...] = (acc * jax.nn.sigmoid(acc)).astype(y_ref.dtype)
+        return
     acc = acc_ref[...]
     for i in range(width + 1):                   # taps from x: local position >= 0
         tap = xs_ref[pl.ds(HALO - width + i, bt), :]
@@ -242,13 +264,15 @@ def _block_channels(channels: int) -> int:
     return 128 * max(d for d in range(1, PREFILL_CHANNELS // 128 + 1) if lanes % d == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret", "fixed_order"),
                    donate_argnames=("conv_pool",))
 def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot,
                          snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
-                         interpret: bool = False):
+                         interpret: bool = False, fixed_order: bool = False):
     """Pallas prefill over aligned row blocks of x (``chunk_size`` rows, multiple of 8); same
-    contract as the reference. Returns ``(y [T, C] in x.dtype, conv_pool)``."""
+    contract as the reference. Returns ``(y [T, C] in x.dtype, conv_pool)``. [deterministic]
+    ``fixed_order``: a sequence's first K-1 rows sum their taps in tap order like every other
+    row (``_starts_step``), so a token's bits do not depend on where its extend started."""
     check_conv(x, weight, bias, conv_pool)
     check_chunk_size(chunk_size)
     num_tokens, channels = x.shape
@@ -276,9 +300,10 @@ def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, writ
                    pl.BlockSpec(memory_space=pl.ANY)],
         scratch_shapes=[pltpu.VMEM((HALO + bt + 8, bc), _F32), pltpu.VMEM((bt, bc), _F32),
                         pltpu.VMEM((bt, bc), jnp.int32),
-                        pltpu.VMEM((8, bc), _F32), pltpu.VMEM((width, bc), conv_pool.dtype)])
+                        pltpu.VMEM((8, bc), _F32), pltpu.VMEM((width, bc), conv_pool.dtype)]
+        + ([pltpu.VMEM((max(width, 1), bt, bc), _F32)] if fixed_order else []))
     y, conv_pool = pl.pallas_call(
-        _conv_block_kernel, grid_spec=grid_spec,
+        functools.partial(_conv_block_kernel, fixed_order=fixed_order), grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)],
         input_output_aliases={8 + 4: 1}, interpret=interpret,

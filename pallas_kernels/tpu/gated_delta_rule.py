@@ -143,7 +143,8 @@ def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
                       k_scr,      # [n, BT, Dk] f32 scratch: normalised keys (for the targets)
                       u_scr,      # [n, BT, Dv] f32 scratch: the values each chunk writes
                       snap_ref,   # [Dk, Dv] f32 scratch: staging for DMA to the pool
-                      sem):       # DMA semaphores [n]
+                      sem,        # DMA semaphores [n]
+                      *, fixed_order: bool):
     h, step = pl.program_id(0), pl.program_id(1)
     n, bt, dk = k_ref.shape
     c0 = step * n
@@ -166,9 +167,12 @@ def _gdr_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # S
         u = u0[j] - _dot(w[j], s0)
         o_ref[j] = (_dot(qe[j], s0) + _dot(attn[j], u)).astype(o_ref.dtype)
         s0_ref[j], k_scr[j], u_scr[j] = s0, k[j], u
-        # kw_t u in two row halves: two MXUs, half the latency on the sequential path
-        state = e_last[j] * s0 + jnp.concatenate(
-            [_dot(kw_t[j][:half], u), _dot(kw_t[j][half:], u)], axis=0)
+        if fixed_order:  # [deterministic] the carry is the chunk-end target, bit for bit
+            gr = g_ref[pl.ds(c0 + j, 1), :]
+            state = _state_after(gr, s0, k[j], u, *_iotas(bt))(bt)
+        else:  # kw_t u in two row halves: two MXUs, half the latency on the sequential path
+            state = e_last[j] * s0 + jnp.concatenate(
+                [_dot(kw_t[j][:half], u), _dot(kw_t[j][half:], u)], axis=0)
     state_ref[...] = state
     _write_targets(c0, n, bt, h, g_ref, tstart_ref, trow_ref, tslot_ref, s0_ref, k_scr, u_scr,
                    snap_ref, pool_ref, pool_out)
@@ -179,6 +183,18 @@ def _step_rows(table_ref, c0, n):
     return jnp.concatenate([table_ref[pl.ds(c0 + j, 1), :][None] for j in range(n)], axis=0)
 
 
+def _iotas(bt):
+    return (jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0),
+            jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1))
+
+
+def _state_after(gr, s0, k, u, rows, cols):
+    """``r -> `` the state after ``r`` rows of a chunk (``decayed_state_after``; gr ``[1, BT]``
+    its cumulative log-decay, rows, cols ``[BT, BT]`` iotas): the one formula of the targets
+    (and, under ``fixed_order``, of the carry)."""
+    return decayed_state_after(s0, k, u, _column(gr, rows == cols), gr, _dot)
+
+
 def _write_targets(c0, n, bt, h, g_ref, tstart_ref, trow_ref, tslot_ref, s0_ref, k_scr, u_scr,
                    snap_ref, pool_ref, pool_out):
     """DMA the state after ``trow[t]`` rows of its chunk to ``pool_out[tslot[t], h]`` for every
@@ -186,8 +202,7 @@ def _write_targets(c0, n, bt, h, g_ref, tstart_ref, trow_ref, tslot_ref, s0_ref,
     the step: its chunk ``j`` is found in the CSR starts, its inputs in the scratch buffers.
     The last step also copies the targets of empty sequences (past ``tstart[NC]``, row
     ``-(read slot + 1)``) from their read slot, pool to pool."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    rows, cols = _iotas(bt)
 
     def write_target(t, carry):
         slot, row = tslot_ref[t], trow_ref[t]
@@ -196,8 +211,7 @@ def _write_targets(c0, n, bt, h, g_ref, tstart_ref, trow_ref, tslot_ref, s0_ref,
         def _write():
             j = sum((t >= tstart_ref[c0 + i]).astype(jnp.int32) for i in range(1, n))
             gr = g_ref[pl.ds(c0 + j, 1), :]
-            state_after = decayed_state_after(s0_ref[j], k_scr[j], u_scr[j],
-                                              _column(gr, rows == cols), gr, _dot)
+            state_after = _state_after(gr, s0_ref[j], k_scr[j], u_scr[j], rows, cols)
             snap_ref[...] = state_after(row)
             pltpu.sync_copy(snap_ref, pool_out.at[slot, h])
 
@@ -225,10 +239,11 @@ def _targets(cu_seqlens, read_slot, write_slot, snap_seq, snap_offset, snap_slot
     return chunk_targets(cu_seqlens, chunk_off, t_seq, t_off, t_slot, chunk_size, num_chunks)
 
 
-@functools.partial(jax.jit, static_argnames=("chunks_per_step", "interpret"),
+@functools.partial(jax.jit, static_argnames=("chunks_per_step", "interpret", "fixed_order"),
                    donate_argnames=("ssm_pool",))
 def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_pool, *,
-                   chunks_per_step: int = CHUNKS_PER_STEP, interpret: bool = False):
+                   chunks_per_step: int = CHUNKS_PER_STEP, interpret: bool = False,
+                   fixed_order: bool = False):
     """Run the kernel on chunked inputs. q, k ``[Hk, NC, BT, Dk]``; v ``[Hv, NC, BT, Dv]``;
     gcum, beta ``[Hv, NC, BT]`` f32 (one head's table stays in VMEM across its chunks);
     per-chunk ``first, read [NC]``; targets CSR ``tstart [NC+1]``, ``trow, tslot [J]``;
@@ -256,7 +271,7 @@ def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_po
                         pltpu.VMEM((n, bt, dk), _F32), pltpu.VMEM((n, bt, dv), _F32),
                         pltpu.VMEM((dk, dv), _F32), pltpu.SemaphoreType.DMA((n,))])
     return pl.pallas_call(
-        _gdr_chunk_kernel, grid_spec=grid_spec,
+        functools.partial(_gdr_chunk_kernel, fixed_order=fixed_order), grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((num_heads, num_chunks, bt, dv), v.dtype),
                    jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)],
         input_output_aliases={5 + 5: 1}, interpret=interpret,
@@ -264,13 +279,18 @@ def gdr_chunk_call(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_po
     )(first, read, tstart, trow, tslot, q, k, v, gcum, beta, ssm_pool)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "chunks_per_step", "interpret"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "chunks_per_step", "interpret",
+                                             "fixed_order"),
                    donate_argnames=("ssm_pool",))
 def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, write_slot,
                             snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
-                            chunks_per_step: int = CHUNKS_PER_STEP, interpret: bool = False):
+                            chunks_per_step: int = CHUNKS_PER_STEP, interpret: bool = False,
+                            fixed_order: bool = False):
     """Pallas chunked prefill; same contract as the reference. Returns ``(o, ssm_pool)``.
-    ``chunks_per_step`` (even): chunks of a head per grid step."""
+    ``chunks_per_step`` (even): chunks of a head per grid step. [deterministic]
+    ``fixed_order`` (``model.deterministic``): the state carried from a chunk to the next is
+    computed by the targets' formula (``_state_after``), so a snapshot at a chunk's end holds
+    the very bits the next chunk starts from (off: the faster split product)."""
     check_gdr(q, k, v, g, beta, ssm_pool, chunk_size)
     check(chunks_per_step > 0 and chunks_per_step % 2 == 0,
           f"chunks_per_step {chunks_per_step} must be a positive even number")
@@ -291,7 +311,7 @@ def gated_delta_rule_extend(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot, w
     o_c, ssm_pool = gdr_chunk_call(
         first, read_slot[cseq], tstart, trow, tslot, chunked(q), chunked(k), chunked(v),
         gcum, chunked(beta.astype(jnp.float32)), ssm_pool, chunks_per_step=n,
-        interpret=interpret)
+        interpret=interpret, fixed_order=fixed_order)
     seq, valid = token_seq_ids(cu_seqlens, num_tokens)
     local = jnp.arange(num_tokens) - cu_seqlens[seq]
     o = o_c[:, chunk_off[seq] + local // chunk_size, local % chunk_size]   # [Hv, T, Dv]
