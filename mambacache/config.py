@@ -45,9 +45,10 @@ class ModelSection:
     ``deterministic`` (off by default): a request's tokens and logprobs are a function of its
     own tokens alone, bit for bit, whatever shares its steps, the chunked prefill size, the page
     size, speculative decoding or a cache hit (``docs/engine.md``, "Deterministic mode"). Every
-    step then computes at least ``DETERMINISTIC_MIN_ROWS`` rows; its cost is in the README. The
-    mode runs the reference kernels on every backend (``kernels = "auto"``); ``"pallas"`` is
-    refused (``pallas_kernels.ops.resolve_impl`` says why).
+    step then computes at least ``DETERMINISTIC_MIN_ROWS`` rows; its cost is in the README. With
+    the Pallas kernels (``"pallas"``, or ``"auto"`` on GPU / TPU) prefills run on a chunk grid
+    (``engine.prefill_grid``: hits at grid multiples, no speculative decoding, a chunked
+    prefill of at least the grid).
     """
 
     path: str | None = None
@@ -71,10 +72,6 @@ class ModelSection:
                  f"only, but model.path is {self.path!r}")
         _require(isinstance(self.deterministic, bool),
                  f"model.deterministic must be a bool, got {self.deterministic!r}")
-        _require(not (self.deterministic and self.kernels == "pallas"),
-                 "model.kernels 'pallas' cannot be deterministic (model.deterministic = true): "
-                 "the Pallas kernels' chunks start where each extend starts; use 'reference' "
-                 "or 'auto' (the references on every backend in this mode)")
         if self.path == "":
             object.__setattr__(self, "path", None)
 

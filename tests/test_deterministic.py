@@ -20,13 +20,13 @@ import pytest
 
 import mambacache as mc
 from mambacache.engine.buckets import DETERMINISTIC_MIN_ROWS, Buckets
-from mambacache.engine.engine import Engine, load_model
+from mambacache.engine.engine import Engine, load_model, prefill_grid
 from mambacache.engine.sampling import SamplingBatch, sample
 from pallas_kernels import ops
 from pallas_kernels._common import l2norm
 from pallas_kernels.fixed_order import prefix_sum, tree_sum
-from pallas_kernels.testing import gdr_inputs, ragged_case, slot_args
 from tests.multidevice import finish_worker, start_worker
+from tests.shadow_helpers import greedy, random_prompts, shadow_engine
 
 GREEDY = mc.SamplingParams(max_new_tokens=5)
 #: seeded sampling with top-k and top-p (the sampler's sort, softmax and cumulative sum)
@@ -135,26 +135,35 @@ def test_alone_equals_batched_at_tensor_parallel_2(preset):
     assert finish_worker(start_worker(worker), f"tp2 {preset}", timeout=1500) == {"ok": True}
 
 
+PALLAS_PRESETS = ("tiny_qwen3_next", "tiny_nemotron_h", "tiny_kimi_linear")
+
+
 @SLOW
-def test_pallas_resumed_prefill_rounds_differently():
-    """Why deterministic mode refuses ``kernels = "pallas"``: a Gated DeltaNet prefill resumed
-    from its own snapshot (24 + 24 tokens, fp32) gives the bits of one from scratch with the
-    reference scan, not with the Pallas kernel (its chunks start where the extend starts). When
-    this fails for "pallas", the refusal in ``ops.resolve_impl`` may be lifted."""
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+@pytest.mark.parametrize("preset", PALLAS_PRESETS)
+def test_pallas_alone_equals_batched(preset, family, monkeypatch):
+    """The issue's check with ``model.kernels = "pallas"`` (interpreted on CPU): prompts past
+    the grid (a 70-token shared prefix), chunked prefill 64 (the grid, the least allowed)
+    batched; the shared prefix and the identical prompt hit at the grid point 64."""
+    monkeypatch.setenv("PALLAS_FAMILY", family)
     rng = np.random.default_rng(0)
-    n, cut = 48, 24
-    case = ragged_case(rng, [n], num_tokens=n, num_seqs=1, snapshots=[(0, cut)], zero_init=True)
-    x = gdr_inputs(rng, case, 2, 2, 16, 16)
-    qkvgb = [x[k] for k in ("q", "k", "v", "g", "beta")]
-    none = np.zeros(1, np.int32)
-    for impl, same in (("reference", True), ("pallas", False)):
-        o, pool = ops.gated_delta_rule_extend(*qkvgb, x["ssm_pool"].copy(), *slot_args(case),
-                                              impl=impl)
-        o, pool = np.asarray(o), np.asarray(pool)
-        resumed, _ = ops.gated_delta_rule_extend(
-            *[a[cut:] for a in qkvgb], pool.copy(), np.array([0, n - cut], np.int32),
-            case.snap_slot[:1], case.write_slot, none, none, none, impl=impl)
-        assert np.array_equal(o[cut:], np.asarray(resumed)) == same, impl
+    shared = rng.integers(0, 512, 70).tolist()
+    prompts = [shared + rng.integers(0, 512, n).tolist() for n in (7, 60)]
+    prompts += [rng.integers(0, 512, 20).tolist(), prompts[0]]
+    others = [rng.integers(0, 512, n).tolist() for n in (9, 33)]
+    pallas = {"model.kernels": "pallas", "cache.num_kv_tokens": 2048}
+    alone = _engine(preset, **{"cache.enable": False, "cache.page_size": 4,
+                               "scheduler.chunked_prefill_size": 256, **pallas})
+    a = [alone.generate([p], GREEDY)[0] for p in prompts]
+    engine = _engine(preset, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 64,
+                                **pallas})
+    engine.generate([prompts[0][:72], others[0]], GREEDY)  # the shared prefix is cached
+    b = engine.generate(prompts + others, GREEDY)[:len(prompts)]
+    for x, y in zip(a, b, strict=True):
+        assert x.output_token_ids == y.output_token_ids, (preset, x.request_id)
+        assert x.output_logprobs == y.output_logprobs, (preset, x.request_id)
+    assert [o.cached_tokens for o in b] == [64, 64, 0, 64], [o.cached_tokens for o in b]
+    engine.check_integrity()
 
 
 def check_alone_equals_batched(preset: str, params: mc.SamplingParams = GREEDY,
@@ -220,12 +229,82 @@ def test_sampler_rows_do_not_depend_on_the_batch():
     np.testing.assert_allclose(prefix_sum(x, fixed_order=True), jnp.cumsum(x, -1), atol=1e-6)
 
 
-def test_pallas_kernels_are_refused_and_auto_runs_the_references():
-    with pytest.raises(ValueError, match="'pallas' cannot be deterministic"):
-        mc.EngineConfig().replace(**{"model.kernels": "pallas", "model.deterministic": True})
-    assert ops.resolve_impl("auto", deterministic=True) == "reference"
-    with pytest.raises(ValueError, match="'pallas' cannot be deterministic"):
-        ops.resolve_impl("pallas", deterministic=True)
+def test_pallas_is_accepted_and_what_its_grid_cannot_serve_is_refused():
+    """``kernels = "pallas"`` runs deterministic on a prefill grid; ``"auto"`` runs the
+    references on CPU (the Pallas kernels elsewhere); speculative decoding and a chunked
+    prefill below the grid are ``ValueError``s naming the value."""
+    cfg = mc.EngineConfig().replace(**{"model.kernels": "pallas", "model.deterministic": True})
+    assert ops.resolve_impl("pallas", deterministic=True) == "pallas"
+    assert ops.resolve_impl("auto", deterministic=True) == "reference"  # on CPU
+    assert prefill_grid(cfg) == ops.DETERMINISTIC_GRID
+    assert prefill_grid(cfg.replace(**{"model.kernels": "auto"})) == 0
+    assert prefill_grid(cfg.replace(**{"model.deterministic": False})) == 0
+    with pytest.raises(ValueError, match="chunked_prefill_size \\(13\\) must be >= .* \\(64\\)"):
+        prefill_grid(cfg.replace(**{"scheduler.chunked_prefill_size": 13}))
+    with pytest.raises(ValueError, match="speculative.method 'ngram'"):
+        prefill_grid(cfg.replace(**{"speculative.method": "ngram"}))
+
+
+def test_grid_cuts_prefills_and_keeps_prompt_states_on_it():
+    """[deterministic, Pallas] on the shadow runner (no model): every prefill row starts on the
+    grid and ends on it or at the prompt's end, a token past the prompt goes alone (a
+    preempted request's recomputation), and hits land on the grid within the previous prompt:
+    a follow-up turn hits 128 of its 158 cached tokens, and an identical prompt 128."""
+    grid = ops.DETERMINISTIC_GRID
+    rows: list[tuple[int, int, int]] = []  # (prompt_len, start, end) of the pallas run's rows
+
+    def engine(kernels: str) -> Engine:
+        eng = shadow_engine(**{"model.kernels": kernels, "model.deterministic": True,
+                               "cache.page_size": 4, "scheduler.chunked_prefill_size": 100})
+        run = eng.runner.run
+
+        def recording(scheduled):
+            if kernels == "pallas":
+                rows.extend((s.req.prompt_len, s.start, s.end) for s in scheduled)
+            return run(scheduled)
+
+        eng.runner.run = recording
+        return eng
+
+    first = random_prompts(1000, 1, length=150)[0]
+    cached = {}
+    for kernels in ("reference", "pallas"):
+        eng = engine(kernels)
+        out = eng.generate([first], greedy(8))[0]
+        follow = first + out.output_token_ids + random_prompts(1000, 1, length=30, seed=1)[0]
+        again = eng.generate([follow, first], greedy(8))
+        cached[kernels] = [o.cached_tokens for o in again]
+        eng.check_integrity()
+    assert cached == {"reference": [156, 148], "pallas": [2 * grid, 2 * grid]}, cached
+    for prompt_len, start, end in rows:
+        if start >= prompt_len:
+            assert end == start + 1, (prompt_len, start, end)
+        else:
+            assert start % grid == 0 and (end % grid == 0 or end == prompt_len), (start, end)
+    assert {(150, 0, 64), (150, 64, 150)} <= set(rows), rows  # budget 100: 64, then the rest
+
+
+def test_grid_recomputes_a_preempted_request_one_token_past_its_prompt():
+    """[deterministic, Pallas] a KV pool too small for 4 requests: the preempted ones resume
+    from a grid state and recompute their outputs one token per row (the oracle checks every
+    read)."""
+    grid = ops.DETERMINISTIC_GRID
+    eng = shadow_engine(**{"model.kernels": "pallas", "model.deterministic": True,
+                           "cache.page_size": 4, "scheduler.chunked_prefill_size": 100,
+                           "cache.num_kv_tokens": 300})
+    rows, run = [], eng.runner.run
+
+    def recording(scheduled):
+        rows.extend((s.req.prompt_len, s.start, s.end) for s in scheduled)
+        return run(scheduled)
+
+    eng.runner.run = recording
+    eng.generate(random_prompts(1000, 4, length=90), greedy(30))
+    eng.check_integrity()
+    assert eng.metrics()["preemptions"] > 0
+    for prompt_len, start, end in rows:
+        assert (end == start + 1) if start >= prompt_len else (
+            start % grid == 0 and (end % grid == 0 or end == prompt_len)), (start, end)
 
 
 def test_min_rows_pads_every_program():

@@ -56,5 +56,6 @@ def _start(manager: CacheManager, req: Request, waiting: Iterable[Request], m: M
     if req.num_preemptions == 0:
         req.cached_tokens = m.cached_len
     req.lease.plan_prefill(num_tokens, m.cached_len, branch_len,
-                           lambda: shared_with_waiting(manager, req, waiting, m.cached_len))
+                           lambda: shared_with_waiting(manager, req, waiting, m.cached_len),
+                           req.prompt_len)
     return "ok"

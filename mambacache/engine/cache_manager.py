@@ -7,6 +7,15 @@ manager (``pages_for``: the one ceiling division; ``page_floor``, ``is_page_boun
 ``next_page_boundary``) or the request's ``Lease`` (``lease.py``), whose transitions are the only
 writers of cache state.
 
+[deterministic, Pallas] ``grid`` (``pallas_kernels.ops.DETERMINISTIC_GRID``; 0 = off): the
+chunked kernels compute a token from its chunk's start state, so a request's bits are a
+function of its tokens only if every prompt is computed in the same chunks, on a grid of
+absolute positions, and every token past a prompt one at a time (as a decode does). With a
+grid: a prefill is cut only at grid multiples below its prompt's end and one token at a time
+past it (``prefill_end``); the tree keeps states only at grid multiples within a prompt
+(``state_floor``, ``keeps_state_at``; no page-boundary decode snapshots) and KV only of prompt
+tokens (``insert_len``), so a hit resumes exactly where a prefill from scratch starts a chunk.
+
 ``check`` is the engine-wide ownership check: the cache's own integrity, then every id the
 allocators list as held by a request is held by exactly one running request's lease, each held
 lease covers its computed tokens, and no waiting request holds anything.
@@ -17,6 +26,7 @@ Host only, no JAX.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,7 +46,7 @@ class CacheManager:
     """The cache, its layout and the leases' factory (module docstring)."""
 
     def __init__(self, cfg: CacheConfig, transfer: Callable[..., None] | None = None,
-                 loads: Any = None):
+                 loads: Any = None, grid: int = 0):
         self._cfg = cfg
         # [host tier] the runner's copy between the tiers: ``transfer(t: Transfer, in_use=)``;
         # ``loads``: the runner's ``load_ready(slot)`` / ``finish_load(slot)`` (promotions land
@@ -58,8 +68,12 @@ class CacheManager:
         self.kv_capacity_tokens = pages * cfg.page_size
         self.enable = cfg.enable
         self.checkpoint_interval = cfg.checkpoint_interval
-        # a decode ending on a page boundary keeps its state as a snapshot
-        self.boundary_snapshots = cfg.enable and cfg.page_size > 1
+        # [deterministic, Pallas] the prefill grid (module docstring; 0 = off) and the unit of
+        # kept state positions: page boundaries, on the grid when there is one
+        self.grid = grid
+        self.state_unit = math.lcm(cfg.page_size, grid) if grid else cfg.page_size
+        # a decode ending on a page boundary keeps its state as a snapshot (never on a grid)
+        self.boundary_snapshots = cfg.enable and cfg.page_size > 1 and not grid
 
     def lease(self) -> Lease:
         """A new, empty lease for a request."""
@@ -171,6 +185,35 @@ class CacheManager:
 
     def is_page_boundary(self, n: int) -> bool:
         return n % self.page_size == 0
+
+    def state_floor(self, n: int) -> int:
+        """``n`` rounded down to a position the tree may keep a state at (a page boundary; on
+        the grid when there is one)."""
+        return n // self.state_unit * self.state_unit
+
+    # ---- [deterministic, Pallas] the prefill grid (module docstring) -------------------------
+    def keeps_state_at(self, pos: int, prompt_len: int) -> bool:
+        """May the tree keep the state after ``pos`` tokens of a request with a prompt of
+        ``prompt_len`` tokens? Page boundaries; with a grid, grid multiples within the prompt."""
+        return pos % self.state_unit == 0 and (not self.grid or pos <= prompt_len)
+
+    def insert_len(self, num_computed: int, prompt_len: int) -> int:
+        """Tokens of a request the tree may take: all computed ones; with a grid, prompt
+        tokens only (a token past the prompt was computed alone, a prefill from scratch
+        computes it in a chunk)."""
+        return min(num_computed, prompt_len) if self.grid else num_computed
+
+    def prefill_end(self, start: int, end: int, prompt_len: int) -> int:
+        """The end of a prefill chunk from ``start`` that the budget lets reach ``end``: as
+        is without a grid; with one, the prompt's end or the last grid multiple before
+        ``end`` (``start`` when none: no chunk this step), and one token past the prompt."""
+        if not self.grid or end <= start:
+            return end
+        if start >= prompt_len:
+            return start + 1
+        if end >= prompt_len:
+            return prompt_len
+        return max(start, end // self.grid * self.grid)
 
     # ---- admission back-pressure -------------------------------------------------------------
     def holds_back(self, running: Sequence[Request], m: MatchResult, num_tokens: int) -> bool:

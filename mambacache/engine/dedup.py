@@ -67,7 +67,7 @@ def shared_with_waiting(manager: CacheManager, req: Request, waiting: Iterable[R
     for other in [o for o in itertools.islice(waiting, DEDUP_WINDOW)
                   if o.prompt_bytes.startswith(head) and o.extra_key == key]:
         theirs = other.prompt
-        common = manager.page_floor(min(_common_prefix(tokens, theirs), len(theirs) - 1))
+        common = manager.state_floor(min(_common_prefix(tokens, theirs), len(theirs) - 1))
         if cached_len < common < len(tokens):
             out.add(common)
     return out
@@ -92,7 +92,7 @@ def inflight_branch(manager: CacheManager, req: Request, running: Sequence[Reque
     # (in one comprehension: per running request of every admission)
     for other in [o for o in running if o.extra_key == key
                   and (o.prompt_len < head_len or o.prompt_bytes.startswith(head))]:
-        common = manager.page_floor(min(_common_with(tokens, other), len(tokens) - 1))
+        common = manager.state_floor(min(_common_with(tokens, other), len(tokens) - 1))
         if common <= cached_len:
             continue
         lease = other.lease

@@ -44,6 +44,31 @@ __all__ = ["Engine", "load_model", "model_dtype"]
 MAX_IDLE_STEPS = 2
 
 
+def prefill_grid(cfg: EngineConfig) -> int:
+    """[deterministic] The prefill chunk grid (``CacheManager``'s docstring): the Pallas
+    kernels' ``DETERMINISTIC_GRID`` when ``model.deterministic`` runs them (``model.kernels``
+    "pallas", or "auto" off CPU), else 0 (the references compute token by token).
+    ``ValueError`` for what the grid cannot serve: speculative decoding (a verify row computes
+    its tokens in one chunk, a decode one at a time) and a chunked prefill size below it."""
+    if not cfg.model.deterministic or cfg.model.kernels == "reference":
+        return 0
+    from pallas_kernels import ops
+
+    if ops.resolve_impl(cfg.model.kernels, deterministic=True) != "pallas":
+        return 0
+    grid = ops.DETERMINISTIC_GRID
+    if cfg.speculative.enabled:
+        raise ValueError(f"speculative.method {cfg.speculative.method!r} cannot run with "
+                         "model.deterministic and the Pallas kernels: a verify row computes "
+                         "its tokens in one chunk, a decode one at a time; use "
+                         "model.kernels = 'reference' or speculative.method = 'none'")
+    if cfg.scheduler.chunked_prefill_size < grid:
+        raise ValueError(f"scheduler.chunked_prefill_size ({cfg.scheduler.chunked_prefill_size})"
+                         f" must be >= the deterministic prefill grid ({grid}) with the Pallas "
+                         "kernels: prefills are cut only at multiples of it")
+    return grid
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, *, model: tuple[Any, Any] | None = None,
                  runner: Runner | None = None):
@@ -78,7 +103,7 @@ class Engine:
             self.cfg = cfg = cfg.replace(**{"scheduler.decode_steps": 1})
         self.manager = CacheManager(cfg.cache, transfer=getattr(self.runner, "transfer", None),
                                     loads=self.runner if hasattr(self.runner, "finish_load")
-                                    else None)
+                                    else None, grid=prefill_grid(cfg))
         self.scheduler = Scheduler(cfg, self.manager)
         self.rebalancer = None  # [rebalance] the device split moving between steps
         if cfg.cache.rebalance and cfg.cache.device_splits:

@@ -54,6 +54,7 @@ class TokenSource(Protocol):
     """What a lease needs of its request to insert into the tree (``Request`` is one)."""
 
     request_id: int
+    prompt_len: int
     extra_key: str | None
 
     def token_slice(self, start: int, end: int) -> np.ndarray: ...
@@ -123,11 +124,12 @@ class Lease(LeasePages, LeaseWindows):
         n, flying = self.num_computed, self.snapshots_in_flight
         return {p: s for p, s in self.pending_snapshots.items() if p in flying and p <= n}
 
-    def keeps_end_snapshot(self, keep: bool) -> bool:
+    def keeps_end_snapshot(self, keep: bool, prompt_len: int) -> bool:
         """Whether ``release(keep=keep)`` hands the running slot to the tree as the end state
-        (the state is valid, page aligned and not already a written snapshot). No mutation."""
+        (the state is valid, at a position the tree keeps (``keeps_state_at``) and not already
+        a written snapshot). No mutation."""
         n = self.num_computed
-        return keep and self.state_valid and self._mgr.is_page_boundary(n) \
+        return keep and self.state_valid and self._mgr.keeps_state_at(n, prompt_len) \
             and n not in self._written()
 
     # ---- admission ---------------------------------------------------------------------------
@@ -153,18 +155,23 @@ class Lease(LeasePages, LeaseWindows):
         return True
 
     def plan_prefill(self, num_tokens: int, cached_len: int, branch_len: int,
-                     shared: Callable[[], set[int]]) -> None:
+                     shared: Callable[[], set[int]], prompt_len: int | None = None) -> None:
         """[cache on] Plan the prefill's snapshot positions (``plan_snapshots`` plus the
         positions ``shared()`` names: in-batch dedup) and give them slots (as many as the pool
-        has). Mutates ``pending_snapshots`` and the slot allocator."""
+        has). [deterministic, Pallas] With a grid, positions the tree keeps states at only
+        (``CacheManager.keeps_state_at`` of ``prompt_len``, default ``num_tokens``). Mutates
+        ``pending_snapshots`` and the slot allocator."""
         mgr = self._mgr
         if not mgr.enable:
             return
-        ps = mgr.page_size
+        ps = mgr.state_unit  # the page size without a grid
         positions = plan_snapshots(num_tokens, cached_len, branch_len, ps,
                                    mgr.checkpoint_interval)
         extra = shared()
         positions = sorted(set(positions) | extra) if extra else positions
+        if mgr.grid:
+            end = num_tokens if prompt_len is None else prompt_len
+            positions = [p for p in positions if mgr.keeps_state_at(p, end)]
         self.pending_snapshots = assign_snapshot_slots(mgr.cache, positions, branch_len,
                                                        num_tokens, ps)
 
@@ -258,7 +265,14 @@ class Lease(LeasePages, LeaseWindows):
         snaps = self._take_written(drop_rest=True)
         mgr, n = self._mgr, self.num_computed
         cache = mgr.cache
-        end_snapshot = keep and self.state_valid and n % mgr.page_size == 0 and n not in snaps
+        end_snapshot = keep and self.state_valid and mgr.keeps_state_at(n, src.prompt_len) \
+            and n not in snaps
+        if mgr.grid and keep:  # [deterministic, Pallas] prompt tokens and grid states only
+            n = mgr.insert_len(n, src.prompt_len)
+            dropped = [s for p, s in snaps.items() if not mgr.keeps_state_at(p, src.prompt_len)]
+            if dropped:
+                cache.free_slots(dropped)
+                snaps = {p: s for p, s in snaps.items() if mgr.keeps_state_at(p, src.prompt_len)}
         slot = self.running_slot
         if end_snapshot:
             snaps[n] = slot

@@ -235,6 +235,10 @@ class Scheduler:
             self.manager.count_load_wait()
             return budget
         end = start + min(req.num_tokens - start, budget)
+        if self.manager.grid:  # [deterministic, Pallas] cut on the grid (``prefill_end``)
+            end = self.manager.prefill_end(start, end, req.prompt_len)
+            if end == start:
+                return budget
         if not self._grow_or_preempt(req, end):
             return budget
         self._out[req.request_id] = ScheduledSeq(req, start, end)
@@ -293,7 +297,8 @@ class Scheduler:
             return
         self._out.pop(req.request_id, None)
         if self.speculative is not None:  # the lane goes; a scratch end state is copied
-            self.speculative.release(req, end_snapshot=req.lease.keeps_end_snapshot(keep))
+            self.speculative.release(
+                req, end_snapshot=req.lease.keeps_end_snapshot(keep, req.prompt_len))
         req.lease.release(req, keep=keep)
         self.running.remove(req)
 

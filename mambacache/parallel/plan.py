@@ -196,8 +196,8 @@ def _step_costs(model_cfg, cfg, topo, shapes, params, mesh, dtype) -> dict[str, 
         os.environ.setdefault("PALLAS_FAMILY", "tpu")
         os.environ.setdefault("PALLAS_INTERPRET", "0")
     kernels = cfg.model.kernels
-    if topo.chip.compiler == "tpu" and kernels == "auto" and not cfg.model.deterministic:
-        kernels = "pallas"  # [deterministic] that mode runs the references on every backend
+    if topo.chip.compiler == "tpu" and kernels == "auto":
+        kernels = "pallas"
     mems = sizing.step_memories(model_cfg, cfg, shapes, params=params, mesh=mesh, dtype=dtype,
                                 kernels=kernels)
     return {name: dataclasses.asdict(m) | {"shapes": dataclasses.asdict(shapes[name])}
