@@ -67,10 +67,13 @@ IMPLS = ("pallas", "reference")
 #: 32), so that a prefill cut or resumed at a multiple of it runs the chunks one from scratch runs
 DETERMINISTIC_GRID = 64
 #: [deterministic] kernels taking ``fixed_order``: their chunk-to-chunk carry is otherwise not
-#: the formula of their chunk-end snapshots (gated delta rule, KDA), or a sequence's first rows
-#: sum their taps in another order (TPU conv); the others' already keep the property
-FIXED_ORDER_KERNELS = {"tpu": frozenset({"gdr_extend", "conv_extend"}),
-                       "gpu": frozenset({"kda_extend"})}
+#: the formula of their chunk-end snapshots (gated delta rule, KDA), a sequence's first rows
+#: sum their taps in another order (TPU conv), or their layout and KV splits follow the batch
+#: (attention, MLA: the query chunk's shape, GPU KV splits); the others' already keep the
+#: property
+FIXED_ORDER_KERNELS = {"tpu": frozenset({"gdr_extend", "conv_extend", "paged_attention",
+                                         "mla_attention"}),
+                       "gpu": frozenset({"kda_extend", "paged_attention", "mla_attention"})}
 FAMILIES = {
     "tpu": SimpleNamespace(gdr_extend=_gdr.gated_delta_rule_extend, gdr_decode=_gdr_decode,
                            conv_extend=_conv.causal_conv1d_extend,

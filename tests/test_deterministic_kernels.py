@@ -144,3 +144,39 @@ def test_every_kernel_resumes_on_the_grid_bit_for_bit(kind, family, monkeypatch)
     monkeypatch.setenv("PALLAS_FAMILY", family)
     _check_resume_and_cut(kind)
     _check_decode_rows(kind, widths=(4, 8))
+
+
+def _attention_rows(kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """A query at position 70 of sequence 0 (71 tokens in its 18 pages of 4): as a decode row
+    among 3 others (the decode layout) and as the last of 9 extend rows beside a 20-token
+    extend. Returns its output from both."""
+    rng = np.random.default_rng(3)
+    hq, hkv, d = (4, 1, 40) if kind == "mla" else (4, 2, 16)
+    pages = rng.normal(size=(80, 4, hkv, d)).astype(np.float32)
+    table = rng.permutation(np.arange(1, 80))[:4 * 19].reshape(4, 19).astype(np.int32)
+    target, q = rng.normal(size=(hq, d)), rng.normal(size=(32, hq, d))
+
+    def call(q, cu, seq_lens):
+        q, cu = np.asarray(q, np.float32), np.asarray(cu, np.int32)
+        seq_lens = np.asarray(seq_lens, np.int32)
+        if kind == "mla":
+            return np.asarray(ops.mla_attention(q, pages, cu, seq_lens, table, kv_lora_rank=32,
+                                                scale=0.2, impl="pallas", fixed_order=True))
+        return np.asarray(ops.paged_attention(q, pages, pages[::-1].copy(), cu, seq_lens, table,
+                                              scale=0.2, impl="pallas", fixed_order=True))
+
+    decode = call(np.concatenate([target[None], q[:3]]), [0, 1, 2, 3, 4], [71, 30, 50, 9])
+    extend = call(np.concatenate([q[3:11], target[None], q[11:34]]), [0, 9, 29, 29, 29],
+                  [71, 40, 0, 0])
+    return decode[0], extend[8]
+
+
+@SLOW
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+@pytest.mark.parametrize("kind", ["attention", "mla"])
+def test_attention_rows_do_not_depend_on_the_step(kind, family, monkeypatch):
+    """A query's attention output is the same in a decode step and in an extend (on GPU the
+    decode layout and the KV splits follow the batch unless ``fixed_order``)."""
+    monkeypatch.setenv("PALLAS_FAMILY", family)
+    alone, among = _attention_rows(kind)
+    assert np.array_equal(alone, among), np.abs(alone - among).max()

@@ -215,20 +215,26 @@ def default_blocks(num_tokens: int, num_seqs: int, num_heads: int, dtype) -> Mla
     return dataclasses.replace(blocks, kv_splits=max(1, min(MAX_SPLITS, PROGRAMS // programs)))
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "scale", "blocks", "interpret",
+                                             "fixed_order"))
 def mla_attention(q, latent_pages, cu_seqlens, seq_lens, page_table, *, kv_lora_rank: int,
-                  scale: float, blocks: MlaBlocks | None = None, interpret: bool = False):
+                  scale: float, blocks: MlaBlocks | None = None, interpret: bool = False,
+                  fixed_order: bool = False):
     """Pallas-Triton MLA over the paged latent cache; same contract as
     ``mla_attention_reference``.
 
     q ``[T, Hq, R + dr]`` (per head ``W_uk^T q_nope | q_rope``); latent_pages ``[N, ps, 1,
     R + dr]`` holding this step's rows; page_table ``[B, P]`` int32. Returns ``[T, Hq, R]`` in
     q.dtype (``softmax(scale q . row) @ c``), 0 for padding tokens. ``blocks`` defaults to
-    ``default_blocks(T, B, Hq, latent_pages.dtype)``.
+    ``default_blocks(T, B, Hq, latent_pages.dtype)``; [deterministic] with ``fixed_order``
+    the prefill blocks (no key split) whatever the step (the defaults follow the batch, and a
+    query's bits with them).
     """
     num_tokens, num_heads, width = q.shape
     num_seqs = page_table.shape[0]
     check_latent(q, latent_pages, kv_lora_rank)
+    if blocks is None and fixed_order:
+        blocks = BLOCKS["prefill", "f32" if latent_pages.dtype == jnp.float32 else "bf16"]
     blocks = blocks or default_blocks(num_tokens, num_seqs, num_heads, latent_pages.dtype)
     rank_p = _pow2_at_least_16(kv_lora_rank)
     bd, bv = min(blocks.block_d, rank_p), min(blocks.block_v, rank_p)

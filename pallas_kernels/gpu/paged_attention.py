@@ -227,17 +227,19 @@ def attention_with_tiles(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block",
-                                             "interpret"))
+                                             "interpret", "fixed_order"))
 def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
                     block_q: int | None = None, pages_per_block: int | None = None,
-                    interpret: bool = False):
+                    interpret: bool = False, fixed_order: bool = False):
     """Pallas-Triton ragged paged attention; same contract as ``paged_attention_reference``.
 
     q ``[T, Hq, D]``; pages ``[N, page_size, Hkv, D]``; page_table ``[B, P]`` int32. The KV
     tile is ``pages_per_block * page_size`` positions rounded up to a power of two >= 16
     (default: ``choose_tiles``). ``block_q`` (query tokens per chunk, a multiple of 8) defaults
     to 8; ``T <= B`` takes the decode layout (one query per program row, split KV). Returns
-    ``[T, Hq, D]`` in q.dtype, 0 for padding tokens.
+    ``[T, Hq, D]`` in q.dtype, 0 for padding tokens. [deterministic] ``fixed_order``: the
+    extend layout and no KV split whatever the step (both follow the batch otherwise, and a
+    query's bits with them).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -248,11 +250,13 @@ def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, sc
           f"query heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
     block_q = 8 if block_q is None else block_q
     check(block_q % 8 == 0 and block_q > 0, f"block_q {block_q} must be a multiple of 8")
-    decode = num_tokens <= num_seqs
+    decode = num_tokens <= num_seqs and not fixed_order
     bq = 1 if decode else block_q
     tiles = choose_tiles(q.dtype, num_q_heads // num_kv_heads, head_dim, block_q, page_size,
                          pages_per_block, decode,
                          max_chunks(num_tokens, bq, num_seqs) * num_kv_heads,
                          pages_per_seq * page_size)
+    if fixed_order:
+        tiles = dataclasses.replace(tiles, kv_splits=1)
     return attention_with_tiles(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table,
                                 scale=scale, tiles=tiles, interpret=interpret)

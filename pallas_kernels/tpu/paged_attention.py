@@ -194,29 +194,32 @@ def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
     return max(1, min(pages_per_seq, -(-span // page_size)))
 
 
-def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
+def default_block_q(num_tokens: int, num_seqs: int, group: int,
+                    fixed_order: bool = False) -> int:
     """Query tokens per chunk: 8 for decode shapes (one token per sequence: the rows past it
     are padding), else the largest of 32 / 16 / 8 with at most 256 query rows (``G * BQ``):
-    each chunk re-reads its KV, so longer chunks cut the DMA traffic and fill the MXU."""
-    if num_tokens <= num_seqs:
+    each chunk re-reads its KV, so longer chunks cut the DMA traffic and fill the MXU.
+    [deterministic] ``fixed_order``: the latter whatever the step (a query's bits follow the
+    chunk's shape)."""
+    if num_tokens <= num_seqs and not fixed_order:
         return 8
     return next((bq for bq in (32, 16) if group * bq <= 256), 8)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block",
-                                             "interpret"))
+                                             "interpret", "fixed_order"))
 def paged_attention(q, k_pages, v_pages, cu_seqlens, seq_lens, page_table, *, scale: float,
                     block_q: int | None = None, pages_per_block: int | None = None,
-                    interpret: bool = False):
+                    interpret: bool = False, fixed_order: bool = False):
     """Pallas ragged paged attention; same contract as ``paged_attention_reference``.
-    ``block_q`` (query tokens per chunk) defaults to ``default_block_q``, ``pages_per_block``
-    to ``default_pages_per_block``."""
+    ``block_q`` (query tokens per chunk) defaults to ``default_block_q`` (of ``fixed_order``),
+    ``pages_per_block`` to ``default_pages_per_block``."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     check_attention(q, k_pages, v_pages)
     group = num_q_heads // num_kv_heads
-    block_q = block_q or default_block_q(num_tokens, num_seqs, group)
+    block_q = block_q or default_block_q(num_tokens, num_seqs, group, fixed_order)
     check(block_q % 8 == 0 and block_q > 0, f"block_q {block_q} must be a multiple of 8")
     ppb = pages_per_block or default_pages_per_block(page_size, pages_per_seq)
     check(0 < ppb <= pages_per_seq,
