@@ -17,6 +17,11 @@ One ``Engine.step`` call:
      dropped when read (it is FINISHED by then). Once nothing is unfinished, a step still in
      flight holds only dropped rows: it is read then, so an idle engine has nothing in flight.
 
+[multi-step decode] A step the scheduler planned with ``iterations`` K > 1 is dispatched with
+``Runner.run_multi``: each row samples up to its ``steps`` tokens (``[K, rows]``), all pending
+at once; the read cuts a row at its first stop token (the device froze it there) and rewinds its
+lease to the tokens computed before the finish inserts them (``Scheduler.rewind``).
+
 Failures: a dispatch that raises fails its own requests (``fail_step``); at depth 1 step N-1 is
 still read for the others. If the runner says the donated pools are gone, or a read raises,
 every request running or with a token in flight fails and the pools and the cache restart empty
