@@ -126,7 +126,7 @@ def _multi_step(params: Any, pools: Any, future: jax.Array, batch: ForwardBatch,
 
 def jitted_multi_step(cfg: Any, kernels: str, iterations: int, page_size: int):
     """One jitted program family per (model config, kernels, K, page size, kernel family),
-    shared by engines over the same model like ``runner.jitted_step``; pools and ``future``
+    shared by engines over the same model like ``step_program.jitted_step``; pools and ``future``
     (arguments 1, 2) donated. One program per decode ``StepShape`` (and pool shapes)."""
     return _jitted_multi_step(cfg, kernels, iterations, page_size, ops.kernel_family())
 

@@ -1,4 +1,5 @@
-"""The jitted step: pad a step to shape buckets, run the model with the pools donated, sample.
+"""The model runner: pad a step to shape buckets, run the jitted step (``step_program.py``) with
+the pools donated, read its tokens back.
 
 The host hands over ``SeqSpec``s (token ids, page ids, slots, snapshots); the runner packs them
 into a ``ForwardBatch`` whose shapes come from ``engine/buckets.py``: a configuration compiles a
@@ -9,8 +10,6 @@ running a step is counted where JAX makes it (``engine/compiles.py``): ``program
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mambacache.engine import chain_step, spec_chain
-from mambacache.engine.batch import ForwardBatch, build_forward_batch
+from mambacache.engine.batch import build_forward_batch
 from mambacache.engine.buckets import (
     MIN_PAGE_BUCKET,
     MIN_SEQ_BUCKET,
@@ -34,100 +33,15 @@ from mambacache.engine.drafters import mtp_inputs
 from mambacache.engine.logit_controls import controls_for
 from mambacache.engine.multi_step import MultiStepRows, jitted_multi_step
 from mambacache.engine.pools import PoolState, pool_fields, resize_layerwise
-from mambacache.engine.sampling import SamplingBatch, sample
+from mambacache.engine.sampling import SamplingBatch
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, logit_rows
-from models.model import forward as model_forward
-from models.mtp import mtp_draft
-from pallas_kernels import ops
+from mambacache.engine.step_program import copy_slots_fn, jitted_sharded_step, jitted_step
 
 __all__ = ["MIN_PAGE_BUCKET", "MIN_SEQ_BUCKET", "MIN_SNAPSHOT_BUCKET", "MIN_TOKEN_BUCKET",
-           "ModelRunner", "bucket", "jitted_sharded_step", "jitted_step"]
+           "ModelRunner", "bucket"]
 
 #: the longest sequence a runner built without a model config pads extend steps for (tests)
 DEFAULT_MAX_SEQ_LEN = 4096
-
-
-def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
-          sb: SamplingBatch, prev_index: jax.Array, spec_in: Any = None, *, cfg: Any,
-          kernels: str, decode: bool, mesh: Any = None, num_drafts: int = 0, spec_k: int = 0,
-          num_alts: int = 0):
-    """``future`` int32 ``[F]`` (donated): the previous step's sampled tokens, logits row i at
-    i; ``prev_index`` int32 ``[T]``: -1 (the token in ``batch.input_ids`` is known) or the row
-    of ``future`` that holds the token [overlap]. Returns the new ``future`` with the pools.
-    [speculative] ``spec_k`` > 0: ``future`` is the carry of ``chain_step.empty_carry`` and
-    ``spec_in`` the step's ``drafters.mtp_inputs`` + ``spec_chain.chain_inputs`` (chained rows
-    are shifted by the previous step's outcome); ``num_drafts`` > 0: the MTP head drafts that
-    many tokens per sequence for the next step (``models/mtp.py``), returned last, then
-    ``num_alts`` alternatives to the first [speculative tree]."""
-    draft_ids = None
-    if spec_k:
-        batch, sb, draft_ids = chain_step.apply(batch, sb, future, spec_in,
-                                                page_size=pools.k_pages[0].shape[1],
-                                                mtp=num_drafts > 0)
-    buf = future["tokens"] if spec_k else future
-    ids = jnp.where(prev_index >= 0, buf[jnp.maximum(prev_index, 0)], batch.input_ids)
-    batch = dataclasses.replace(batch, input_ids=ids)
-    out = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
-                        mesh=mesh, return_hidden=num_drafts > 0)
-    pools, logits = out[:2]
-    deterministic = getattr(cfg, "deterministic", False)
-    # [deterministic] the sampler's row sums in a fixed order (engine/sampling.py)
-    tokens, logprobs = sample(logits, sb, fixed_order=deterministic)
-    drafts = None
-    if num_drafts:
-        impl = ops.resolve_impl(kernels, deterministic=deterministic)
-        pools, drafts = mtp_draft(params, pools, batch, out[2], tokens,
-                                  {**spec_in, "draft_ids": draft_ids}, cfg=cfg,
-                                  num_drafts=num_drafts, impl=impl, mesh=mesh,
-                                  num_alts=num_alts)
-    if spec_k:
-        future = chain_step.outcome(future, tokens, spec_in, draft_ids, drafts)
-    else:
-        n = min(tokens.shape[0], future.shape[0])
-        future = future.at[:n].set(tokens[:n])
-    if not num_drafts:
-        return pools, future, tokens, logprobs
-    return pools, future, tokens, logprobs, drafts
-
-
-def jitted_step(cfg: Any, kernels: str, decode: bool, num_drafts: int = 0, spec_k: int = 0,
-                num_alts: int = 0):
-    """One jitted program family per (model config, kernels, decode, kernel family): engines over
-    the same model share compiled programs. Pools (argument 1) are donated.
-
-    One program per ``buckets.StepShape`` (and pool shapes).
-    """
-    return _jitted_step(cfg, kernels, decode, ops.kernel_family(), num_drafts, spec_k, num_alts)
-
-
-@functools.cache
-def _jitted_step(cfg: Any, kernels: str, decode: bool, family: str, num_drafts: int = 0,
-                 spec_k: int = 0, num_alts: int = 0):
-    del family  # a cache key only: ``ops`` reads PALLAS_FAMILY when tracing
-    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode,
-                                     num_drafts=num_drafts, spec_k=spec_k, num_alts=num_alts),
-                   donate_argnums=(1, 2))
-
-
-def jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                        mesh: Any, num_drafts: int = 0, spec_k: int = 0, num_alts: int = 0):
-    """``jitted_step`` pinned to ``mesh`` (tensor parallel, ``mambacache.parallel.mesh``):
-    params come placed (their shardings are the inputs'), pools keep ``pool_sh`` across steps,
-    tokens and logprobs come back with ``out_sh`` (replicated). The model runs every kernel op
-    per device in ``shard_map`` over the mesh's ``"tp"`` axis (``pallas_kernels.ops``)."""
-    return _jitted_sharded_step(cfg, kernels, decode, pool_sh, out_sh, mesh, ops.kernel_family(),
-                                num_drafts, spec_k, num_alts)
-
-
-@functools.cache
-def _jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out_sh: Any,
-                         mesh: Any, family: str, num_drafts: int = 0, spec_k: int = 0,
-                         num_alts: int = 0):
-    del family  # a cache key only, as in ``_jitted_step``
-    outs = (pool_sh, out_sh, out_sh, out_sh) + ((out_sh,) if num_drafts else ())
-    return jax.jit(functools.partial(_step, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh,
-                                     num_drafts=num_drafts, spec_k=spec_k, num_alts=num_alts),
-                   donate_argnums=(1, 2), out_shardings=outs)
 
 
 class ModelRunner:
@@ -340,7 +254,7 @@ class ModelRunner:
         with counter.track():
             if self.host_pools is not None:  # [host tier] demotions read before the copy writes
                 self.host_pools.flush(self.pools)
-            self.pools = _copy_slots_fn()(self.pools, idx[0], idx[1])
+            self.pools = copy_slots_fn()(self.pools, idx[0], idx[1])
 
     def transfer(self, t: Any, in_use: Any = None) -> None:
         """[host tier] Issue one ``cache.host_tier.Transfer`` (``engine/host_pools.py``): a
@@ -404,17 +318,6 @@ class ModelRunner:
             lambda x: jnp.zeros(x.shape, jnp.int32, device=x.sharding), self.future)
         if self.host_pools is not None:  # the cache (host tier included) starts empty too
             self.host_pools.reset()
-
-
-def _copy_slots(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:
-    """Padding pairs are (0, 0): the zero state onto itself."""
-    return pools.replace(conv=tuple(a.at[dst].set(a[src]) for a in pools.conv),
-                         ssm=tuple(a.at[dst].set(a[src]) for a in pools.ssm))
-
-
-@functools.cache
-def _copy_slots_fn():
-    return jax.jit(_copy_slots, donate_argnums=(0,))
 
 
 def future_index(seqs: Sequence[SeqSpec], num_tokens: int) -> np.ndarray:

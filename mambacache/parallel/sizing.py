@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from mambacache.engine.batch import build_forward_batch
 from mambacache.engine.buckets import StepShape, bucket
 from mambacache.engine.pools import PoolState
-from mambacache.engine.runner import jitted_sharded_step
+from mambacache.engine.step_program import jitted_sharded_step
 from mambacache.engine.sampling import SamplingBatch
 from mambacache.engine.step_plan import SeqSpec
 from mambacache.parallel.mesh import param_shardings, pool_shardings, replicated
@@ -149,7 +149,7 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 def step_args(shapes: StepShape, page_size: int, params: Any, pools: PoolState,
               mesh: Mesh) -> tuple:
-    """Abstract arguments of the runner's step (``runner._step``), placed as the engine places
+    """Abstract arguments of the runner's step (``step_program._step``), placed as the engine places
     them: params and pools sharded, the batch and sampling rows replicated."""
     spec = SeqSpec(tokens=[1], prefix_len=0, page_ids=[1], read_slot=0, write_slot=1)
     batch = build_forward_batch([spec], page_size, as_numpy=True, **shapes.sizes())
@@ -165,7 +165,7 @@ def step_args(shapes: StepShape, page_size: int, params: Any, pools: PoolState,
 
 def compile_step(model_cfg: ModelConfig, shapes: StepShape, *, params: Any, pools: PoolState,
                  page_size: int, kernels: str, mesh: Mesh) -> StepMemory:
-    """Compile the engine's jitted step (``runner.jitted_sharded_step``) for ``mesh``'s devices
+    """Compile the engine's jitted step (``step_program.jitted_sharded_step``) for ``mesh``'s devices
     at ``shapes`` and read its per-device memory and cost."""
     args = step_args(shapes, page_size, params, pools, mesh)
     fn = jitted_sharded_step(model_cfg, kernels, shapes.decode,
