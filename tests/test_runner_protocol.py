@@ -7,8 +7,8 @@ import re
 
 from mambacache.config import EngineConfig
 from mambacache.engine.runner import ModelRunner
+from mambacache.engine.runner_protocol import Runner
 from mambacache.engine.shadow_runner import ShadowRunner
-from mambacache.engine.step_loop import Runner
 
 MEMBERS = [n for n in dir(Runner) if not n.startswith("_")] + ["model_cfg", "last_drafts"]
 

@@ -27,10 +27,11 @@ from mambacache.engine.checks import check_engine_integrity, validate_request
 from mambacache.engine.loading import load_model, model_dtype
 from mambacache.engine.metrics import EngineMetrics
 from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request, RequestOutput
+from mambacache.engine.runner_protocol import InFlight, Runner
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.speculative import max_rows, num_state_slots, spec_metrics
-from mambacache.engine.step_loop import InFlight, Runner, StepLoop
+from mambacache.engine.step_loop import StepLoop
 from mambacache.engine.thread_guard import owned
 from mambacache.engine.warmup import min_rows
 

@@ -30,68 +30,19 @@ every request running or with a token in flight fails and the pools and the cach
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from absl import logging
 
 from mambacache.engine.request import FINISHED, RUNNING, Request, RequestOutput
+from mambacache.engine.runner_protocol import InFlight
 from mambacache.engine.step_plan import ScheduledSeq, first_logit_row
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine
-
-
-@runtime_checkable
-class Runner(Protocol):
-    """What the loop needs of a runner (``ModelRunner`` on the device, ``ShadowRunner``)."""
-
-    model_cfg: Any  # the model's config (ModelConfig, or ShadowModelConfig): vocab, context
-    last_drafts: Any  # [mtp] int32 [rows, k] drafts the last step made on the device, or None
-
-    @property
-    def programs_compiled(self) -> int: ...
-
-    def programs_per_width(self) -> dict[int, int]: ...
-
-    def run(self, scheduled: Sequence[ScheduledSeq]) -> tuple[Any, Any]:
-        """Dispatch one step; its sampled tokens and logprobs (one per logits row), read with
-        ``np.asarray`` (which waits for the device and raises if the step failed)."""
-
-    def run_multi(self, scheduled: Sequence[ScheduledSeq], iterations: int) -> tuple[Any, Any]:
-        """[multi-step decode] Dispatch ``iterations`` decode iterations of decode rows (row i
-        runs ``scheduled[i].steps`` of them, fewer if it stops: ``engine/multi_step.py``);
-        tokens and logprobs ``[iterations, rows]``."""
-
-    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None: ...
-
-    def transfer(self, t: Any, in_use: Any = None) -> None:
-        """[host tier] Issue a ``cache.host_tier.Transfer`` between device and host pools."""
-
-    def load_ready(self, device_slot: int) -> bool:
-        """[host tier] Whether a promotion's load into ``device_slot`` has landed."""
-
-    def finish_load(self, device_slot: int) -> None:
-        """[host tier] Write a landed load into the device pools (before any step reads it)."""
-
-    def pools_lost(self) -> bool: ...
-
-    def reset_pools(self) -> None: ...
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A dispatched step whose sampled tokens have not been read."""
-
-    scheduled: list[ScheduledSeq]
-    rows: list[tuple[int, int]]  # (index into scheduled, first logits row) of sampling rows
-    tokens: Any  # [L] int32, on the device until read
-    logprobs: Any  # [L] float32
-    drafts: Any = None  # [speculative mtp] int32 [rows, k]: the MTP head's drafts per row
-    iterations: int = 1  # [multi-step decode] K: tokens and logprobs are [K, L]
 
 
 class StepLoop:

@@ -34,9 +34,9 @@ from jax.sharding import Mesh
 from mambacache.engine.batch import build_forward_batch
 from mambacache.engine.buckets import StepShape, bucket
 from mambacache.engine.pools import PoolState
-from mambacache.engine.step_program import jitted_sharded_step
 from mambacache.engine.sampling import SamplingBatch
 from mambacache.engine.step_plan import SeqSpec
+from mambacache.engine.step_program import jitted_sharded_step
 from mambacache.parallel.mesh import param_shardings, pool_shardings, replicated
 
 if TYPE_CHECKING:
@@ -165,8 +165,8 @@ def step_args(shapes: StepShape, page_size: int, params: Any, pools: PoolState,
 
 def compile_step(model_cfg: ModelConfig, shapes: StepShape, *, params: Any, pools: PoolState,
                  page_size: int, kernels: str, mesh: Mesh) -> StepMemory:
-    """Compile the engine's jitted step (``step_program.jitted_sharded_step``) for ``mesh``'s devices
-    at ``shapes`` and read its per-device memory and cost."""
+    """Compile the engine's jitted step (``step_program.jitted_sharded_step``) for ``mesh``'s
+    devices at ``shapes`` and read its per-device memory and cost."""
     args = step_args(shapes, page_size, params, pools, mesh)
     fn = jitted_sharded_step(model_cfg, kernels, shapes.decode,
                              pool_shardings(pools, mesh), replicated(mesh), mesh)
