@@ -107,7 +107,8 @@ def mamba2_mixer(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, conv_p
     else:
         o, ssm_pool = ops.ssd_extend(
             xs, dt, a, b, c, d, ssm_pool, batch.cu_seqlens, batch.read_slot, batch.write_slot,
-            batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh)
+            batch.snap_seq, batch.snap_offset, batch.snap_slot, impl=impl, mesh=mesh,
+            fixed_order=cfg.deterministic)
     o = grouped_gated_norm(o.reshape(o.shape[0], -1), z, p["norm"], cfg.linear_num_key_heads,
                            cfg.rms_norm_eps, fixed_order=cfg.deterministic)
     out = o @ p["out_proj"]

@@ -63,17 +63,19 @@ from pallas_kernels.tpu import ssd as _tpu_ssd
 from pallas_kernels.tpu.gated_delta_rule_decode import gated_delta_rule_decode as _gdr_decode
 
 IMPLS = ("pallas", "reference")
-#: [deterministic] the chunk grid: a multiple of every family kernel's chunk size (64, GPU KDA
-#: 32), so that a prefill cut or resumed at a multiple of it runs the chunks one from scratch runs
+#: [deterministic] the chunk grid: a multiple of every family kernel's chunk size under
+#: ``fixed_order`` (64, GPU KDA 32; GPU SSD 64 then, 128 for bf16 otherwise), so that a prefill
+#: cut or resumed at a multiple of it runs the chunks one from scratch runs
 DETERMINISTIC_GRID = 64
 #: [deterministic] kernels taking ``fixed_order``: their chunk-to-chunk carry is otherwise not
 #: the formula of their chunk-end snapshots (gated delta rule, KDA), a sequence's first rows
 #: sum their taps in another order (TPU conv), or their layout and KV splits follow the batch
-#: (attention, MLA: the query chunk's shape, GPU KV splits); the others' already keep the
-#: property
+#: (attention, MLA: the query chunk's shape, GPU KV splits), or their chunk (128 for bf16 in
+#: GPU SSD) is not a divisor of the grid; the others' already keep the property
 FIXED_ORDER_KERNELS = {"tpu": frozenset({"gdr_extend", "conv_extend", "paged_attention",
                                          "mla_attention"}),
-                       "gpu": frozenset({"kda_extend", "paged_attention", "mla_attention"})}
+                       "gpu": frozenset({"kda_extend", "paged_attention", "mla_attention",
+                                         "ssd_extend"})}
 FAMILIES = {
     "tpu": SimpleNamespace(gdr_extend=_gdr.gated_delta_rule_extend, gdr_decode=_gdr_decode,
                            conv_extend=_conv.causal_conv1d_extend,
@@ -333,7 +335,8 @@ def _ssd_groups(b, c, mesh: Mesh | None):
 
 
 def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-               snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None):
+               snap_offset, snap_slot, *, impl: str, mesh: Mesh | None = None,
+               fixed_order: bool = False):
     """Mamba2 (SSD) prefill (kernels ``tpu/ssd.py``, ``gpu/ssd.py``). x ``[T, H, P]``; dt
     ``[T, H]`` f32 (after softplus and clamp); a
     (``-exp(A_log)``), d ``[H]`` f32; b, c ``[T, G, N]`` (heads ``g*H/G ..`` share group g);
@@ -345,7 +348,7 @@ def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, s
     b, c = _ssd_groups(b, c, mesh)
     args = _arrays((x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
                     snap_offset, snap_slot))
-    fn = _kernel(impl, "ssd_extend") or _ssd_ref.ssd_extend_reference
+    fn = _kernel(impl, "ssd_extend", fixed_order) or _ssd_ref.ssd_extend_reference
     vec = P(TP_AXIS)
     specs = (_HEADS, _HEADS, vec, _HEADS, _HEADS, vec, _POOL_HEADS) + (_REP,) * 6
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
@@ -358,7 +361,7 @@ def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, impl: str,
     with "pallas": the extend kernel on one-token rows (``_one_token_rows``)."""
     if impl == "pallas" and fixed_order:
         return _one_token_rows(ssd_extend, x, dt, a, b, c, d, ssm_pool, read_slot=read_slot,
-                               write_slot=write_slot, impl=impl, mesh=mesh)
+                               write_slot=write_slot, impl=impl, mesh=mesh, fixed_order=True)
     b, c = _ssd_groups(b, c, mesh)
     args = _arrays((x, dt, a, b, c, d, ssm_pool, read_slot, write_slot))
     fn = _kernel(impl, "ssd_decode") or _ssd_ref.ssd_decode_reference

@@ -169,19 +169,21 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, cstart, clen, tstart, trow, t
     return y, ssm_pool
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret", "fixed_order"),
                    donate_argnames=("ssm_pool",))
 def ssd_extend(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, write_slot, snap_seq,
-               snap_offset, snap_slot, *, chunk_size: int | None = None, interpret: bool = False):
+               snap_offset, snap_slot, *, chunk_size: int | None = None, interpret: bool = False,
+               fixed_order: bool = False):
     """Pallas Triton chunked prefill; the contract of ``ssd_extend_reference``. ``chunk_size``
     must be a power of two >= 16 here (Triton tiles; None: ``CHUNK_NARROW`` / ``CHUNK_F32``).
     x, B, C of one narrow dtype (bf16, f16) feed the tensor cores as they are; otherwise all
     three are taken as f32. Returns ``(y [T, H, P] in x.dtype, ssm_pool)``; padding tokens
-    give 0."""
+    give 0. [deterministic] ``fixed_order``: chunks of ``CHUNK_F32`` (64) whatever the dtype,
+    so that the deterministic grid (64) is a multiple of the chunk size."""
     check_ssd(x, dt, a, b, c, d, ssm_pool)
     narrow = x.dtype in (jnp.bfloat16, jnp.float16) and b.dtype == c.dtype == x.dtype
     if chunk_size is None:
-        chunk_size = CHUNK_NARROW if narrow else CHUNK_F32
+        chunk_size = CHUNK_NARROW if narrow and not fixed_order else CHUNK_F32
     check_chunk_size(chunk_size)
     check(chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
           f"chunk_size {chunk_size} must be a power of two >= 16 on GPU")
