@@ -3,7 +3,7 @@
 It holds the cache (radix tree or the disabled cache, ``make_cache_from_config``) and the facts
 of its layout: the page size, whether caching is on, the checkpoint interval. No other engine
 module reads ``cache.page_size`` or ``cache.enable`` or does page arithmetic: they ask the
-manager (``pages_for``: the one ceiling division; ``page_floor``, ``is_page_boundary``,
+manager (``pages_for``: the one ceiling division; ``is_page_boundary``,
 ``next_page_boundary``) or the request's ``Lease`` (``lease.py``), whose transitions are the only
 writers of cache state.
 
@@ -174,10 +174,6 @@ class CacheManager:
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens (the one ceiling division of the engine)."""
         return -(-num_tokens // self.page_size)
-
-    def page_floor(self, n: int) -> int:
-        """``n`` rounded down to a page boundary."""
-        return n // self.page_size * self.page_size
 
     def next_page_boundary(self, n: int) -> int:
         """The first page boundary after ``n``."""
