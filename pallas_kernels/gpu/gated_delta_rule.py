@@ -62,7 +62,7 @@ def _fast(a, b, **kw):
     return _dot(a, b, precision=DOT_PRECISION, **kw)
 
 
-def _unit_lower_inverse(lower):
+def unit_lower_inverse(lower):
     """``(I + L)^-1`` for strictly lower ``L [BT, BT]`` f32 (BT a multiple of 16).
 
     Diagonal 16x16 blocks by forward substitution (row s of every block at once, one dot per
@@ -123,7 +123,7 @@ def _wu_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
     decay = jnp.exp(jnp.where(rows > cols, gcum[:, None] - gcum[None, :], -jnp.inf))
-    inv = _unit_lower_inverse(beta * decay * _dot(k, k, trans_b=True))
+    inv = unit_lower_inverse(beta * decay * _dot(k, k, trans_b=True))
     kmask = jnp.arange(block_k) < head_k_dim
     pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)],
                _fast(inv, beta * jnp.exp(gcum)[:, None] * k), mask=rmask[:, None] & kmask[None, :])

@@ -45,7 +45,7 @@ from pallas_kernels._common import (
     max_chunks,
     token_seq_ids,
 )
-from pallas_kernels.gpu.gated_delta_rule import _unit_lower_inverse, pow2_at_least_16
+from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16, unit_lower_inverse
 from pallas_kernels.kda_chunk import SUB, decayed_gram
 from pallas_kernels.reference.kda import check_kda
 
@@ -104,7 +104,7 @@ def _chunk_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     rmask = jnp.arange(bt) < count
     tidx = pl.ds(tok0, bt)
     beta = pltr.load(beta_ref.at[tidx, h], mask=rmask, other=0.0)[:, None]
-    inv = _unit_lower_inverse(
+    inv = unit_lower_inverse(
         beta * decayed_gram(k, k, gcum, inclusive=False, precision=_HIGHEST))
     kmask = jnp.arange(block_k) < head_k_dim
     pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)], _dot(inv, beta * jnp.exp(gcum) * k, exact),

@@ -55,7 +55,7 @@ def _bdot(a, b, *, trans_a=False, trans_b=False):
     return jax.lax.dot_general(a, b, (dims, ((0,), (0,))), preferred_element_type=_F32)
 
 
-def _unit_lower_inverse(lower):
+def unit_lower_inverse(lower):
     """``(I + L)^-1`` for each strictly lower ``L`` of ``lower [n, BT, BT]`` (n even, BT a
     multiple of 8), blocked and recursive, every step a full-width MXU matmul:
 
@@ -121,7 +121,7 @@ def _chunks_free(q_raw, k_raw, v_raw, gr, beta_r, *, scale):
     beta = _column(beta_r, rows == cols)
     decay = jnp.exp(jnp.where(rows >= cols, gc - gr, -jnp.inf))           # exp(G_i - G_j)
     qk_k = _bdot(jnp.concatenate([q, k], axis=1), k, trans_b=True)        # [n, 2 BT, BT]
-    inv = _unit_lower_inverse(jnp.where(rows > cols, beta * decay * qk_k[:, bt:], 0.0))
+    inv = unit_lower_inverse(jnp.where(rows > cols, beta * decay * qk_k[:, bt:], 0.0))
     eg = jnp.exp(gc)
     wu = _bdot(inv, jnp.concatenate([beta * eg * k, beta * v_raw.astype(_F32)], axis=2))
     last = gr[..., bt - 1:]                                               # [n, 1, 1]

@@ -27,7 +27,7 @@ from pallas_kernels._common import (
 from pallas_kernels.kda_chunk import SUB, chunk_output, state_after
 from pallas_kernels.reference.kda import check_kda
 from pallas_kernels.tpu._targets import write_state_targets
-from pallas_kernels.tpu.gated_delta_rule import _unit_lower_inverse
+from pallas_kernels.tpu.gated_delta_rule import unit_lower_inverse
 
 _F32 = jnp.float32
 
@@ -39,7 +39,7 @@ def _l2norm(x):
 def _inverse(lower):
     """``(I + L)^-1`` of one chunk's strictly lower ``L [BT, BT]`` f32: the GDR inverse takes
     chunks in pairs side by side in lanes; the partner here is zero (full lanes at BT 64)."""
-    return _unit_lower_inverse(jnp.stack([lower, jnp.zeros_like(lower)]))[0]
+    return unit_lower_inverse(jnp.stack([lower, jnp.zeros_like(lower)]))[0]
 
 
 def _kda_chunk_kernel(first_ref, read_ref, tstart_ref, trow_ref, tslot_ref,  # SMEM scalars
