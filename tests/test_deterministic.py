@@ -146,12 +146,32 @@ def test_pallas_alone_equals_batched(preset, family, monkeypatch):
     the grid (a 70-token shared prefix), chunked prefill 64 (the grid, the least allowed)
     batched; the shared prefix and the identical prompt hit at the grid point 64."""
     monkeypatch.setenv("PALLAS_FAMILY", family)
+    check_pallas_alone_equals_batched(preset)
+
+
+@SLOW
+@pytest.mark.parametrize("family", ["gpu", "tpu"])
+def test_pallas_alone_equals_batched_at_tensor_parallel_2(family):
+    """The Pallas check with both runs at TP 2 (every kernel op per device in shard_map; 4
+    forced CPU devices, in a subprocess), Qwen3-Next."""
+    worker = ("import json\n"
+              "from tests.test_deterministic import check_pallas_alone_equals_batched\n"
+              "check_pallas_alone_equals_batched('tiny_qwen3_next', "
+              "**{'parallel.tensor_parallel': 2})\n"
+              "print(json.dumps({'ok': True}))\n")
+    proc = start_worker(worker, env={"PALLAS_FAMILY": family})
+    assert finish_worker(proc, f"pallas tp2 {family}", timeout=1500) == {"ok": True}
+
+
+def check_pallas_alone_equals_batched(preset: str, **overrides) -> None:
+    """The issue's check with ``model.kernels = "pallas"`` (the family from ``PALLAS_FAMILY``;
+    ``overrides`` in both runs); asserts the hits at the grid point 64."""
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 512, 70).tolist()
     prompts = [shared + rng.integers(0, 512, n).tolist() for n in (7, 60)]
     prompts += [rng.integers(0, 512, 20).tolist(), prompts[0]]
     others = [rng.integers(0, 512, n).tolist() for n in (9, 33)]
-    pallas = {"model.kernels": "pallas", "cache.num_kv_tokens": 2048}
+    pallas = {"model.kernels": "pallas", "cache.num_kv_tokens": 2048, **overrides}
     alone = _engine(preset, **{"cache.enable": False, "cache.page_size": 4,
                                "scheduler.chunked_prefill_size": 256, **pallas})
     a = [alone.generate([p], GREEDY)[0] for p in prompts]
