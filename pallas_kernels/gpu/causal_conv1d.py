@@ -161,14 +161,18 @@ def _owned_targets(cu_seqlens, write_slot, snap_seq, snap_offset, snap_slot, cse
     return tstart.astype(jnp.int32), t_off[order], t_slot[order].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret", "fixed_order"),
                    donate_argnames=("conv_pool",))
 def causal_conv1d_extend(x, weight, bias, conv_pool, cu_seqlens, read_slot, write_slot,
                          snap_seq, snap_offset, snap_slot, *, chunk_size: int = 64,
-                         interpret: bool = False):
+                         interpret: bool = False, fixed_order: bool = False):
     """Pallas-Triton chunked prefill; same contract as ``causal_conv1d_extend_reference``:
     x ``[T, C]``, weight ``[K, C]``, bias ``[C]`` or None, conv_pool ``[N, K-1, C]`` (x dtype).
-    Returns ``(y [T, C] in x.dtype (0 past cu_seqlens[-1]), conv_pool)``."""
+    Returns ``(y [T, C] in x.dtype (0 past cu_seqlens[-1]), conv_pool)``.
+
+    ``fixed_order`` (the TPU kernel's signature, ``ops.FIXED_ORDER_KERNELS``): nothing to
+    change here, every row already sums its K taps in tap order, window rows included."""
+    del fixed_order
     check_conv(x, weight, bias, conv_pool)
     check_chunk_size(chunk_size)
     num_tokens, channels = x.shape
