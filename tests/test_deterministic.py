@@ -151,16 +151,17 @@ def test_pallas_alone_equals_batched(preset, family, monkeypatch):
 
 @SLOW
 @pytest.mark.parametrize("family", ["gpu", "tpu"])
-def test_pallas_alone_equals_batched_at_tensor_parallel_2(family):
+@pytest.mark.parametrize("preset", PALLAS_PRESETS)
+def test_pallas_alone_equals_batched_at_tensor_parallel_2(preset, family):
     """The Pallas check with both runs at TP 2 (every kernel op per device in shard_map; 4
-    forced CPU devices, in a subprocess), Qwen3-Next."""
+    forced CPU devices, in a subprocess)."""
     worker = ("import json\n"
               "from tests.test_deterministic import check_pallas_alone_equals_batched\n"
-              "check_pallas_alone_equals_batched('tiny_qwen3_next', "
+              f"check_pallas_alone_equals_batched({preset!r}, "
               "**{'parallel.tensor_parallel': 2})\n"
               "print(json.dumps({'ok': True}))\n")
     proc = start_worker(worker, env={"PALLAS_FAMILY": family})
-    assert finish_worker(proc, f"pallas tp2 {family}", timeout=1500) == {"ok": True}
+    assert finish_worker(proc, f"pallas tp2 {preset} {family}", timeout=1500) == {"ok": True}
 
 
 def check_pallas_alone_equals_batched(preset: str, **overrides) -> None:
