@@ -132,19 +132,17 @@ class CacheBase:
     def alloc_page(self) -> int | None:
         """``alloc_pages(1)``'s id as a Python int (the same id, the same eviction); None if
         impossible."""
-        pages = self.pages
-        if self.budget is None and pages.num_free:
-            return pages.alloc_one()
-        ids = self._alloc(pages, 1)
-        return None if ids is None else int(ids[0])
+        return self._alloc_one(self.pages)
 
     def alloc_slot(self) -> int | None:
         """``alloc_slots(1)``'s id as a Python int (the same id, the same eviction); None if
         impossible."""
-        slots = self.slots
-        if self.budget is None and slots.num_free:
-            return slots.alloc_one()
-        ids = self._alloc(slots, 1)
+        return self._alloc_one(self.slots)
+
+    def _alloc_one(self, alloc: IdAllocator) -> int | None:
+        if self.budget is None and alloc.num_free:
+            return alloc.alloc_one()
+        ids = self._alloc(alloc, 1)
         return None if ids is None else int(ids[0])
 
     def alloc_slots(self, num: int) -> np.ndarray | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mambacache.cache.node import unlocked_states
 from mambacache.cache.tuning import AlphaTuner
 
 if TYPE_CHECKING:
@@ -92,13 +93,7 @@ class LRUPolicy(EvictionPolicy):
         return out
 
     def state_victims(self, cache: Any, num_slots: int) -> list[Node]:
-        out = []
-        for node in cache.lru_state:
-            if node.mamba_lock_ref == 0:
-                out.append(node)
-                if len(out) >= num_slots:
-                    break
-        return out
+        return unlocked_states(cache.lru_state, num_slots)
 
     def byte_victims(self, cache: Any, num_bytes: int) -> list[Node]:
         """Least recently used node first, leaf (KV + state) or internal state alike: a plain

@@ -18,6 +18,7 @@ to the root), ``mamba_lock_ref`` the locks on this node itself (it protects ``sl
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,18 @@ class Node:
 
 def make_root(extra_key: Any = None) -> Node:
     return Node(_EMPTY, _EMPTY, None, 0, extra_key)
+
+
+def unlocked_states(order: Iterable[Node], num: int) -> list[Node]:
+    """The first ``num`` nodes of ``order`` (a recency list of nodes with a state, oldest
+    first) whose state no request locks (``mamba_lock_ref == 0``)."""
+    out = []
+    for node in order:
+        if node.mamba_lock_ref == 0:
+            out.append(node)
+            if len(out) >= num:
+                break
+    return out
 
 
 def path_pages(node: Node) -> np.ndarray:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mambacache.cache.node import unlocked_states
+
 if TYPE_CHECKING:
     from mambacache.cache.node import Node
 
@@ -117,13 +119,7 @@ class TreeEviction:
         """Free up to ``num`` slots from unlocked speculative states, oldest first; returns the
         slots freed (removing a leaf may drop a speculative parent's state too)."""
         before = self.slots.num_free
-        victims = []
-        for node in self.lru_spec:
-            if node.mamba_lock_ref == 0:
-                victims.append(node)
-                if len(victims) >= num:
-                    break
-        for node in victims:
+        for node in unlocked_states(self.lru_spec, num):
             if not node.spec:  # dropped already, as the parent of an earlier victim
                 continue
             if node.children:
