@@ -235,7 +235,7 @@ class StepLoop:
         (the device froze the row there: the same stop rule, ``finish_reason``); a row that
         stopped before its last planned token first rewinds its lease to the tokens computed
         (``Scheduler.rewind``), so the finish inserts exactly those with their state."""
-        scheduled, eos = fl.scheduled, self.eos_token_id
+        scheduled = fl.scheduled
         token_read = self.scheduler.token_read if self.depth else None
         by_row = list(zip(*token_list, strict=True))  # [row][iteration]: one transpose
         lp_by_row = list(zip(*logprob_list, strict=True))
@@ -244,23 +244,20 @@ class StepLoop:
             req = s.req
             if req.status is FINISHED:
                 continue  # finished (abort, error) while this row ran: its tokens are dropped
-            n, p = s.steps, req.params
+            n, base, reason = s.steps, len(req.output_ids), None
             toks = by_row[row][:n]
-            # finish_reason's stop rule over the row's tokens: the first stop token ends it
-            for t in p.stop_token_ids if p.ignore_eos or eos is None \
-                    else (*p.stop_token_ids, eos):
-                if t in toks:
-                    n = min(n, toks.index(t) + 1)
-            if n < len(toks):
-                toks = toks[:n]
+            for j, t in enumerate(toks):  # the first token that ends it: finish_reason's rule
+                reason = self.finish_reason(req, t, base + j + 1)
+                if reason is not None:
+                    n = j + 1
+                    break
             if token_read is not None:
                 token_read(req, s.steps)  # those past a stop are read (and dropped) too
-            req.output_ids.extend(toks)
+            req.output_ids.extend(toks[:n])
             req.output_logprobs.extend(lp_by_row[row][:n])
             req.token_times_s.extend([now] * n)
             if req.first_token_s is None:
                 req.first_token_s = now
-            reason = self.finish_reason(req, toks[-1], len(req.output_ids))
             if reason is not None:
                 self.scheduler.rewind(s, n - 1)
                 outs.append(self._finish(req, reason))
