@@ -67,7 +67,9 @@ class MultiStepRows:
         snap_slot = np.zeros(num_rows, np.int32)
         stop_ids = np.full((num_rows, MAX_DEVICE_STOPS), -1, np.int32)
         for i, s in enumerate(scheduled):
-            limit[i], snap_iter[i], snap_slot[i] = s.steps, s.snap_iter, s.snap_slot
+            limit[i], snap_slot[i] = s.steps, s.snap_slot
+            if s.snap_iter is not None:
+                snap_iter[i] = s.snap_iter
             stops = device_stop_ids(s.req.params, eos_token_id)
             if len(stops) > MAX_DEVICE_STOPS:
                 raise ValueError(f"a multi-step row has {len(stops)} stop ids, more than "

@@ -73,7 +73,7 @@ class ShadowMulti:
         # the hazards of every iteration's writes: each row as one extend over its window
         spans = [SeqSpec(np.zeros(s.steps, np.int32), s.start, s.spec.page_ids,
                          s.spec.read_slot, s.spec.write_slot,
-                         [(s.snap_iter + 1, s.snap_slot)] if s.snap_iter >= 0 else [])
+                         [(s.snap_iter + 1, s.snap_slot)] if s.snap_iter is not None else [])
                  for s in scheduled]
         self._begin(scheduled, spans, ("multi", k), True)
         n = len(scheduled)

@@ -104,10 +104,10 @@ class ScheduledSeq:
     branches: tuple[ScheduledSeq, ...] = ()
     branch_pages: np.ndarray | None = None
     # [multi-step decode] the decode iterations this row runs in a K-step dispatch (``end =
-    # start + steps``; its spec is the first iteration's), and the one (``snap_iter``, -1:
+    # start + steps``; its spec is the first iteration's), and the one (``snap_iter``, None:
     # none) whose state goes to ``snap_slot``, a page-boundary snapshot (``engine/multi_step.py``)
     steps: int = 1
-    snap_iter: int = -1
+    snap_iter: int | None = None
     snap_slot: int = 0
 
     @property
