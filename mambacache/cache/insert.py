@@ -158,8 +158,7 @@ class TreeInsert:
         lru_all = self.lru_all
         if len(ends) == 1:  # the usual chain: one node, the arrays whole (no views made)
             node = Node(key, pages, parent, ends[0], extra_key)
-            node.first_page = first = key[:ps].tobytes()
-            parent.children[first] = node
+            self._link(parent, node)
             lru_all[node] = None
             return [node]
         raw = key.tobytes()  # first pages as bytes slices (cheaper than a view + tobytes each)
@@ -167,8 +166,7 @@ class TreeInsert:
         for end in ends:
             lo, hi = pos - begin, end - begin
             node = Node(key[lo:hi], pages[lo // ps:hi // ps], parent, end, extra_key)
-            node.first_page = first = raw[4 * lo:4 * (lo + ps)]
-            parent.children[first] = node
+            self._link(parent, node, raw[4 * lo:4 * (lo + ps)])
             lru_all[node] = None
             out.append(node)
             parent, pos = node, end
@@ -259,7 +257,10 @@ class TreeInsert:
         self.lru_all[upper] = None
         return upper
 
-    def _link(self, parent: Node, child: Node) -> None:
-        """Make ``child`` the child of ``parent`` keyed by its first page (``first_page``)."""
-        child.first_page = key = child.key[:self.page_size].tobytes()
-        parent.children[key] = child
+    def _link(self, parent: Node, child: Node, first: bytes | None = None) -> None:
+        """Make ``child`` the child of ``parent`` keyed by its first page (``first_page``;
+        ``first``: those bytes when the caller has them already)."""
+        if first is None:
+            first = child.key[:self.page_size].tobytes()
+        child.first_page = first
+        parent.children[first] = child
