@@ -95,11 +95,10 @@ FAMILIES = {
 }
 
 
-def resolve_impl(kernels: str, *, deterministic: bool = False) -> str:
-    """Map ``"auto"`` to "pallas" on gpu/tpu backends and "reference" on cpu, deterministic
-    (``model.deterministic``) or not: with "pallas" the mode holds when the scheduler cuts
-    prefills on ``DETERMINISTIC_GRID`` (``docs/engine.md``, Deterministic mode)."""
-    del deterministic  # the same choice in both modes (kept: every caller passes it)
+def resolve_impl(kernels: str) -> str:
+    """Map ``"auto"`` to "pallas" on gpu/tpu backends and "reference" on cpu, in
+    ``model.deterministic`` too: with "pallas" the mode holds when the scheduler cuts prefills
+    on ``DETERMINISTIC_GRID`` (``docs/engine.md``, Deterministic mode)."""
     if kernels not in IMPLS + ("auto",):
         raise ValueError(f"kernels must be 'auto', 'pallas' or 'reference', got {kernels!r}")
     if kernels == "auto":

@@ -255,8 +255,9 @@ def test_pallas_is_accepted_and_what_its_grid_cannot_serve_is_refused():
     references on CPU (the Pallas kernels elsewhere); speculative decoding and a chunked
     prefill below the grid are ``ValueError``s naming the value."""
     cfg = mc.EngineConfig().replace(**{"model.kernels": "pallas", "model.deterministic": True})
-    assert ops.resolve_impl("pallas", deterministic=True) == "pallas"
-    assert ops.resolve_impl("auto", deterministic=True) == "reference"  # on CPU
+    # the mode no longer changes the kernels' choice: resolve_impl takes no mode
+    assert ops.resolve_impl("pallas") == "pallas"
+    assert ops.resolve_impl("auto") == "reference"  # on CPU
     assert prefill_grid(cfg) == ops.DETERMINISTIC_GRID
     assert prefill_grid(cfg.replace(**{"model.kernels": "auto"})) == 0
     assert prefill_grid(cfg.replace(**{"model.deterministic": False})) == 0

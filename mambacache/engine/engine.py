@@ -55,7 +55,7 @@ def prefill_grid(cfg: EngineConfig) -> int:
         return 0
     from pallas_kernels import ops
 
-    if ops.resolve_impl(cfg.model.kernels, deterministic=True) != "pallas":
+    if ops.resolve_impl(cfg.model.kernels) != "pallas":
         return 0
     grid = ops.DETERMINISTIC_GRID
     if cfg.speculative.enabled:

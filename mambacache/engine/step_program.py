@@ -51,7 +51,7 @@ def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
     tokens, logprobs = sample(logits, sb, fixed_order=deterministic)
     drafts = None
     if num_drafts:
-        impl = ops.resolve_impl(kernels, deterministic=deterministic)
+        impl = ops.resolve_impl(kernels)
         pools, drafts = mtp_draft(params, pools, batch, out[2], tokens,
                                   {**spec_in, "draft_ids": draft_ids}, cfg=cfg,
                                   num_drafts=num_drafts, impl=impl, mesh=mesh,
