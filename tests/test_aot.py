@@ -124,3 +124,22 @@ def test_model_step_compiles_for_tpu_in_bf16():
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count(" ok") == 4  # prefill + decode on v5e and v6e
+
+
+@pytest.mark.aot
+def test_deterministic_variants_compile_for_v5e_v6e_and_sm90(tmp_path):
+    """``--fixed-order``: every kernel of ``ops.FIXED_ORDER_KERNELS`` compiled with
+    ``fixed_order`` on (``model.deterministic``) for both TPU targets and sm_90, both dtypes."""
+    from pallas_kernels.aot.cases import kernel_name
+    from pallas_kernels.ops import FIXED_ORDER_KERNELS
+
+    out = tmp_path / "gate.json"
+    proc = subprocess.run([sys.executable, "-m", "pallas_kernels.aot", "--sizes", "tiny",
+                           "--fixed-order", "--json", str(out)],
+                          capture_output=True, text=True, timeout=3000)
+    rows = json.loads(out.read_text())
+    assert proc.returncode == 0 and all(r["ok"] for r in rows), proc.stdout[-2000:]
+    for r in rows:
+        family = "gpu" if r["target"] == "sm_90" else "tpu"
+        assert r.get("fixed_order", False) == (
+            kernel_name(r["case"]) in FIXED_ORDER_KERNELS[family]), r

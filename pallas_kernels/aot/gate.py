@@ -2,13 +2,15 @@
 
     python -m pallas_kernels.aot [--targets v5e:2x2,v6e:2x2,sm_90] [--dtypes float32,bfloat16]
                                  [--sizes tiny,qwen3_next,...] [--cases gdr_extend,...]
-                                 [--bundles] [--json PATH]
+                                 [--bundles] [--fixed-order] [--json PATH]
 
 TPU targets compile the ``tpu`` family (Mosaic) on libtpu's compile-only topologies
 (``aot.tpu``); ``sm_90`` compiles the ``gpu`` family (Triton) for Hopper (``aot.gpu``) and
 reports registers, shared memory, spill and tensor-core instruction counts per Triton kernel.
 ``--bundles`` adds the estimated VLIW bundles per grid step of each TPU kernel (LLO dump), and
-per (chunk, head) for kernels whose module sets ``CHUNKS_PER_STEP`` (per step / chunks). Exit
+per (chunk, head) for kernels whose module sets ``CHUNKS_PER_STEP`` (per step / chunks).
+``--fixed-order`` compiles the kernels of ``ops.FIXED_ORDER_KERNELS`` with ``fixed_order`` on
+(``model.deterministic``'s variants; the other kernels as they are, which the mode runs). Exit
 status 1 if any case fails to compile or a family kernel has no case (``aot.cases``). Needs the
 ``aot`` extra (libtpu, triton).
 """
@@ -46,15 +48,20 @@ def missing_cases() -> list[str]:
     return sorted({k for fam in FAMILIES.values() for k in vars(fam)} - names)
 
 
-def run_case(target: str, case: str, size: str, dtype: str, dump_dir: str | None) -> dict:
-    """Compile one case; a row of the table."""
-    from pallas_kernels.ops import FAMILIES
+def run_case(target: str, case: str, size: str, dtype: str, dump_dir: str | None,
+             fixed_order: bool = False) -> dict:
+    """Compile one case; a row of the table (``fixed_order``: the deterministic variant of a
+    kernel that has one, ``ops.FIXED_ORDER_KERNELS``)."""
+    from pallas_kernels.ops import FAMILIES, FIXED_ORDER_KERNELS
     family = family_of(target)
     kernel = getattr(FAMILIES[family], kernel_name(case), None)
     row = dict(target=target, case=case, size=size, dtype=dtype)
     if kernel is None:  # a case registered ahead of (or without) this family's kernel
         return row | {"ok": True, "absent": True, "error": None}
     args, kwargs = CASES[case](SIZES[size], DTYPES[dtype])
+    if fixed_order and kernel_name(case) in FIXED_ORDER_KERNELS[family]:
+        kwargs = kwargs | {"fixed_order": True}
+        row["fixed_order"] = True
     fn = functools.partial(kernel, interpret=False, **kwargs)
     if family == "gpu":
         return row | gpu.compile_for_sm90(fn, args)
@@ -85,7 +92,8 @@ def run(targets, cases, sizes, dtypes, dump_dir: str | None = None, echo=print,
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['target']:8s} {r['size']:10s} {r['dtype']:8s} {r['case']:22s} "
+    case = r["case"] + (" [fixed]" if r.get("fixed_order") else "")
+    head = f"{r['target']:8s} {r['size']:10s} {r['dtype']:8s} {case:22s} "
     if not r["ok"]:
         return head + "FAIL  " + (r.get("error") or "")
     if r.get("absent"):
@@ -111,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--bundles", action="store_true", help="TPU bundles per grid step (slower)")
+    p.add_argument("--fixed-order", action="store_true",
+                   help="model.deterministic's kernel variants (ops.FIXED_ORDER_KERNELS)")
     p.add_argument("--json", help="write the rows here")
     opts = p.parse_args(argv)
     dump_dir = tempfile.mkdtemp(prefix="aot-llo-") if opts.bundles else None
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown case {name!r}; known: {sorted(CASES)}")
     print(f"{'target':8s} {'size':10s} {'dtype':8s} {'case':22s} result")
     rows = run(split(opts.targets), split(opts.cases), split(opts.sizes), split(opts.dtypes),
-               dump_dir)
+               dump_dir, case_runner=functools.partial(run_case, fixed_order=opts.fixed_order))
     missing = missing_cases()
     for name in missing:
         print(f"FAIL: family kernel {name!r} has no case in pallas_kernels/aot/cases.py")
