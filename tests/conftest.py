@@ -10,13 +10,25 @@ and every comparison in the suite is between programs compiled the same way or a
 tolerance. It is set in the environment before JAX initialises, so subprocesses (servers, mesh
 workers: `tests/multidevice.py` appends its device count) compile the same way.
 `MAMBACACHE_TEST_XLA_OPT=1` keeps XLA's default level (to run the suite as users compile).
+
+Memory maps: every program XLA compiles for the CPU maps three regions per kernel (code, read-only
+data, data; about 40 maps for a small step function), and they stay mapped while JAX's caches hold
+the program. A worker compiles thousands of programs over the suite, about 4,000 maps a minute,
+and Linux refuses a process's mapping number 65,531 (`vm.max_map_count`): XLA's next compile then
+dies of a segmentation fault inside `backend_compile_and_load` (seen twice, 85-93% of the way
+through, in whichever file was running). So between two test files, a process holding more than
+`MAP_LIMIT` maps drops JAX's compilation caches (`jax.clear_caches()`): programs that only a cache
+kept are unmapped; later files compile what they need again.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
+
+import pytest
 
 if os.environ.get("MAMBACACHE_TEST_XLA_OPT", "0") != "1":
     _flags = os.environ.get("XLA_FLAGS", "")
@@ -24,3 +36,30 @@ if os.environ.get("MAMBACACHE_TEST_XLA_OPT", "0") != "1":
         os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
     if "jax" in sys.modules:  # a plugin imported JAX first: the level applies to subprocesses only
         warnings.warn("tests/conftest.py: JAX was imported before XLA_FLAGS was set", stacklevel=1)
+
+
+MAP_LIMIT = 30_000  # maps; Linux's default vm.max_map_count is 65,530
+
+
+def map_count() -> int | None:
+    """Memory maps this process holds (None where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a file (its module fixtures torn down): past ``MAP_LIMIT`` maps,
+    drop JAX's compilation caches so their programs are unmapped (module docstring)."""
+    result = yield
+    if nextitem is None or nextitem.path != item.path:
+        maps = map_count()
+        if maps is not None and maps > MAP_LIMIT and "jax" in sys.modules:
+            import jax
+
+            jax.clear_caches()
+            gc.collect()
+    return result
