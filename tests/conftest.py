@@ -7,9 +7,12 @@ time on the suite's compile-heavy files (`tests/test_engine_kimi.py -k cache_on_
 40.6 s -> 29.5 s; robustness + GDR kernels + MoE 175 s -> 122 s, 2-core VM, one run each). The
 level changes how fast the generated code runs, not what it computes (no fast-math either way),
 and every comparison in the suite is between programs compiled the same way or against a
-tolerance. It is set in the environment before JAX initialises, so subprocesses (servers, mesh
-workers: `tests/multidevice.py` appends its device count) compile the same way.
-`MAMBACACHE_TEST_XLA_OPT=1` keeps XLA's default level (to run the suite as users compile).
+tolerance. XLA's older loop emitters compile CPU fusions faster than its fusion emitters
+(`--xla_cpu_use_fusion_emitters=false`: the Kimi on=off test 40-43 s -> 22-31 s, one run
+each of four, same machine). Both are set in the environment before JAX initialises, so
+subprocesses (servers, mesh workers: `tests/multidevice.py` appends its device count) compile
+the same way.
+`MAMBACACHE_TEST_XLA_OPT=1` keeps XLA's defaults (to run the suite as users compile).
 
 Memory maps: every program XLA compiles for the CPU maps three regions per kernel (code, read-only
 data, data; about 40 maps for a small step function), and they stay mapped while JAX's caches hold
@@ -32,8 +35,10 @@ import pytest
 
 if os.environ.get("MAMBACACHE_TEST_XLA_OPT", "0") != "1":
     _flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in _flags:
-        os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
+    for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+        if _flag.split("=")[0] not in _flags:
+            _flags = f"{_flags} {_flag}".strip()
+    os.environ["XLA_FLAGS"] = _flags
     if "jax" in sys.modules:  # a plugin imported JAX first: the level applies to subprocesses only
         warnings.warn("tests/conftest.py: JAX was imported before XLA_FLAGS was set", stacklevel=1)
 
