@@ -10,6 +10,8 @@ from mambacache.config_checks import positive as _positive
 from mambacache.config_checks import require as _require
 
 EVICTIONS = ("auto", "lru", "flop_aware")
+#: pool sizes without a byte budget when none is given
+FIXED_POOL_DEFAULTS = {"num_kv_tokens": 16384, "num_mamba_slots": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +99,9 @@ class CacheConfig:
     def _check_pools(self) -> None:
         """Pool sizes: without a budget, 0 means the fixed pools' defaults (16384 / 64)."""
         if not self.has_budget:
-            if self.num_kv_tokens == 0:
-                object.__setattr__(self, "num_kv_tokens", 16384)
-            if self.num_mamba_slots == 0:
-                object.__setattr__(self, "num_mamba_slots", 64)
+            for name, default in FIXED_POOL_DEFAULTS.items():
+                if getattr(self, name) == 0:
+                    object.__setattr__(self, name, default)
         _require(isinstance(self.num_mamba_slots, int) and self.num_mamba_slots >= 0,
                  f"cache.num_mamba_slots must be an int >= 0, got {self.num_mamba_slots!r}")
         _require(
@@ -113,6 +114,17 @@ class CacheConfig:
             isinstance(self.checkpoint_interval, int) and self.checkpoint_interval >= 0,
             f"cache.checkpoint_interval must be >= 0, got {self.checkpoint_interval!r}",
         )
+
+    def given(self) -> dict:
+        """The section as the fields it was given (what ``EngineConfig.replace`` starts from):
+        without a budget, a pool size at its fixed default is written back as 0, so that a
+        budget added later derives that pool instead of capping it at the default."""
+        data = dataclasses.asdict(self)
+        if not self.has_budget:
+            for name, default in FIXED_POOL_DEFAULTS.items():
+                if data[name] == default:
+                    data[name] = 0
+        return data
 
     @property
     def num_pages(self) -> int:

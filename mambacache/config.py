@@ -235,8 +235,10 @@ class EngineConfig:
         return cls.from_dict(apply_overrides(data, overrides or {}))
 
     def replace(self, **overrides: Any) -> EngineConfig:
-        """A copy with dotted-key overrides, e.g. ``cfg.replace(**{"cache.enable": False})``."""
-        return EngineConfig.from_dict(apply_overrides(dataclasses.asdict(self), overrides))
+        """A copy with dotted-key overrides, e.g. ``cfg.replace(**{"cache.enable": False})``
+        (pool sizes left to their defaults stay so: ``CacheConfig.given``)."""
+        data = dataclasses.asdict(self) | {"cache": self.cache.given()}
+        return EngineConfig.from_dict(apply_overrides(data, overrides))
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

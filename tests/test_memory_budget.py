@@ -146,6 +146,23 @@ def test_config_budget_builds_a_shared_cache():
     assert make_cache_from_config(CacheConfig()).budget is None
 
 
+def test_a_budget_set_by_replace_derives_the_pools():
+    """The fixed pools' defaults (16384 tokens / 64 slots) apply only without a budget: a
+    budget added to a default config by ``replace`` derives both pools, not caps them there."""
+    import mambacache as mc
+
+    cfg = mc.EngineConfig().replace(**{"cache.memory_bytes": 1 << 30})
+    assert (cfg.cache.num_kv_tokens, cfg.cache.num_mamba_slots) == (0, 0)
+    capped = mc.EngineConfig().replace(**{"cache.memory_bytes": 1 << 30,
+                                          "cache.num_mamba_slots": 64})
+    assert (capped.cache.num_kv_tokens, capped.cache.num_mamba_slots) == (0, 64)
+    set_before = mc.EngineConfig().replace(**{"cache.num_kv_tokens": 4096})
+    kept = set_before.replace(**{"cache.memory_fraction": 0.5})
+    assert (kept.cache.num_kv_tokens, kept.cache.num_mamba_slots) == (4096, 0)
+    back = cfg.replace(**{"cache.memory_bytes": 0})  # no budget again: the defaults
+    assert (back.cache.num_kv_tokens, back.cache.num_mamba_slots) == (16384, 64)
+
+
 def test_engine_sized_from_memory_bytes_stays_exact_and_within_budget():
     import mambacache as mc
     from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
