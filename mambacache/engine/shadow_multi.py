@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mambacache.engine.shadow_pools import DataflowError
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, device_stop_ids
 
 
@@ -40,8 +41,6 @@ class ShadowMulti:
         """[overlap] The tokens a multi-step row's placeholder stands for (its request's
         pending ones, the newest last) and whether the row that sampled them stopped on the
         device (this row is then frozen: it reads and writes nothing)."""
-        from mambacache.engine.shadow_runner import DataflowError
-
         prev = s.spec.prev_index
         if prev < 0:
             return [], False
@@ -101,8 +100,6 @@ class ShadowMulti:
         """Row ``s``'s iterations (``row``: its tokens through its first input, ``keys``
         theirs): write each input's KV and state, check the state each later iteration reads,
         sample into ``tokens`` / ``logprobs``; the tokens sampled and whether it stopped."""
-        from mambacache.engine.shadow_runner import DataflowError
-
         spec, req = s.spec, s.req
         stops = device_stop_ids(req.params, self.model_cfg.eos_token_id)
         start, running = spec.prefix_len, spec.write_slot

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from mambacache.engine.shadow_pools import DataflowError
+
 
 class ShadowTier:
     """Host copies for ``ShadowRunner`` (module docstring)."""
@@ -36,8 +38,6 @@ class ShadowTier:
 
     def transfer(self, t: Any, in_use: Any = None) -> None:
         """Apply a ``cache.host_tier.Transfer``, checking what it copies."""
-        from mambacache.engine.shadow_runner import DataflowError
-
         ps, n = self.page_size, len(t.tokens)
         keys = self.prefix_keys(np.asarray(t.tokens))
         first = n // ps - len(t.device_pages)  # index of the first page copied
@@ -92,8 +92,6 @@ class ShadowTier:
     def check_host_tree(self, host: Any) -> None:
         """Raise ``DataflowError`` unless every state and KV page of the host tree ``host`` (a
         ``MambaRadixCache`` over host ids) holds the host copy of its node's token path."""
-        from mambacache.engine.shadow_runner import DataflowError
-
         ps = self.page_size
         todo = [(root, np.zeros(0, np.int32)) for root in host.roots.values()]
         while todo:
