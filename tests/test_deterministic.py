@@ -164,9 +164,23 @@ def test_pallas_alone_equals_batched_at_tensor_parallel_2(preset, family):
     assert finish_worker(proc, f"pallas tp2 {preset} {family}", timeout=1500) == {"ok": True}
 
 
-def check_pallas_alone_equals_batched(preset: str, **overrides) -> None:
+@SLOW
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+def test_pallas_alone_equals_batched_multi_step(family, monkeypatch):
+    """The Pallas check with the batched run decoding 4 iterations per dispatch
+    (``scheduler.decode_steps``; the one-at-a-time run decodes one per step)."""
+    monkeypatch.setenv("PALLAS_FAMILY", family)
+    engine = check_pallas_alone_equals_batched("tiny_qwen3_next",
+                                               batched={"scheduler.decode_steps": 4})
+    keys = engine.runner.program_keys  # no warm-up: a program compiled is a program run
+    assert any(("iterations", 4) in key for key in keys), keys
+
+
+def check_pallas_alone_equals_batched(preset: str, batched: dict | None = None,
+                                      **overrides) -> Engine:
     """The issue's check with ``model.kernels = "pallas"`` (the family from ``PALLAS_FAMILY``;
-    ``overrides`` in both runs); asserts the hits at the grid point 64."""
+    ``overrides`` in both runs, ``batched`` in the batched one); asserts the hits at the grid
+    point 64. Returns the batched engine."""
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 512, 70).tolist()
     prompts = [shared + rng.integers(0, 512, n).tolist() for n in (7, 60)]
@@ -177,7 +191,7 @@ def check_pallas_alone_equals_batched(preset: str, **overrides) -> None:
                                "scheduler.chunked_prefill_size": 256, **pallas})
     a = [alone.generate([p], GREEDY)[0] for p in prompts]
     engine = _engine(preset, **{"cache.page_size": 4, "scheduler.chunked_prefill_size": 64,
-                                **pallas})
+                                **pallas, **(batched or {})})
     engine.generate([prompts[0][:72], others[0]], GREEDY)  # the shared prefix is cached
     b = engine.generate(prompts + others, GREEDY)[:len(prompts)]
     for x, y in zip(a, b, strict=True):
@@ -185,6 +199,7 @@ def check_pallas_alone_equals_batched(preset: str, **overrides) -> None:
         assert x.output_logprobs == y.output_logprobs, (preset, x.request_id)
     assert [o.cached_tokens for o in b] == [64, 64, 0, 64], [o.cached_tokens for o in b]
     engine.check_integrity()
+    return engine
 
 
 def check_alone_equals_batched(preset: str, params: mc.SamplingParams = GREEDY,
@@ -207,7 +222,7 @@ def check_alone_equals_batched(preset: str, params: mc.SamplingParams = GREEDY,
     if not batched:
         assert b[0].cached_tokens == 32 and b[3].cached_tokens >= 32, [o.cached_tokens for o in b]
     engine.check_integrity()
-    return engine.metrics()
+    return engine
 
 
 def test_fixed_order_rows_do_not_depend_on_the_row_count():
