@@ -202,6 +202,15 @@ def test_fuzz_host_tier(overlap):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
+def test_fuzz_host_tier_read_of_a_page_still_loading(overlap):
+    """Seed 10012 (found by a long fuzz run): a request computes a prefix while a promotion of
+    a longer one is in flight; its publish deduplicates its pages onto the loading node's, and
+    its next chunk must not read them before the load lands (the oracle's KV check)."""
+    run_fuzz(10012, overlap=overlap, host_tier=True)
+    run_fuzz(10012, overlap=overlap, host_tier=True, decode_steps=4)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
 def test_fuzz_byte_budget(overlap):
     """KV and states on one byte budget, admission held back at a random running share
     (``cache.running_share``): every read checked, integrity after every step, every request

@@ -78,6 +78,8 @@ class HostTier:
         # the device node it fills, locked by the tier until ``landed``; issue order
         self.async_loads = False
         self.loading: dict[int, Node] = {}
+        # ... and the device pages each of those loads fills (the KV past what was on device)
+        self.loading_pages: dict[int, np.ndarray] = {}
         # host seconds spent issuing copies (a promotion waits for pending demotions to land)
         self.load_wait_s = 0.0
         self.counters = {"host_hit_tokens": 0, "tokens_promoted": 0, "bytes_demoted": 0,
@@ -167,6 +169,7 @@ class HostTier:
                 node = self.device.locate(tokens[:host_len], extra_key)[2]
                 self.device.lock(node)
                 self.loading[int(slot[0])] = node
+                self.loading_pages[int(slot[0])] = np.asarray(new)
         finally:
             self.host.unlock(m.node)
         gained = host_len - on_device
@@ -180,6 +183,7 @@ class HostTier:
         """The load into ``device_slot`` is in the pools (its scatter dispatched): its node
         becomes an ordinary device node (unlocked)."""
         self.device.unlock(self.loading.pop(int(device_slot)))
+        self.loading_pages.pop(int(device_slot))
 
     def _issue(self, transfer: Transfer) -> None:
         if self.on_transfer is not None:
@@ -228,6 +232,9 @@ class HostTier:
             raise AssertionError("host tier: the device tree's evict_hook is not this tier's")
         if self.host.budget is self.device.budget or self.host.budget is not self.budget:
             raise AssertionError("host tier: the host tree must draw on its own byte budget")
+        if self.loading.keys() != self.loading_pages.keys():
+            raise AssertionError(f"host tier: loads {sorted(self.loading)} but pages of loads "
+                                 f"{sorted(self.loading_pages)}")
         for slot, node in self.loading.items():
             if not node.alive or node.slot != slot or node.mamba_lock_ref <= 0 or \
                     self.device.slots.status_of(np.asarray([slot]))[0] != TREE:

@@ -39,7 +39,7 @@ from mambacache.config import CacheConfig
 from mambacache.engine.lease import Lease
 from mambacache.engine.request import Request, Status
 from mambacache.engine.step_checks import check_step
-from mambacache.engine.step_plan import ScheduledSeq
+from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
 
 class CacheManager:
@@ -130,6 +130,24 @@ class CacheManager:
             if slot == upto:
                 break
         return True
+
+    def land_loads_read_by(self, specs: Iterable[SeqSpec]) -> None:
+        """[host tier] Finish, in issue order, the loads in flight up to the last one that
+        fills a KV page some row of ``specs`` reads (a page below its ``prefix_len``): a
+        request's publish can trade its own pages for a loading node's (the tree deduplicates
+        a prefix it already holds), and its next chunk reads them. Finishing dispatches the
+        scatter; the host does not wait."""
+        tier = self.cache.host_tier
+        if tier is None or not tier.loading:
+            return
+        ps = self.page_size
+        read = {p for spec in specs for p in spec.page_ids[:-(-spec.prefix_len // ps)]}
+        last = None
+        for slot, pages in tier.loading_pages.items():
+            if not read.isdisjoint(pages.tolist()):
+                last = slot
+        if last is not None:
+            self.land_loads(upto=last)
 
     def count_load_wait(self) -> None:
         """[host tier] A request sat out a step because its load had not landed."""

@@ -207,6 +207,8 @@ class Scheduler:
                 and s.verifies else spec(s)
         if out:
             self._multi_in_flight = False
+            if self.manager.loads_in_flight():  # [host tier] KV pages a row reads have landed
+                self.manager.land_loads_read_by([s.spec for s in out.values()])
         if self.speculative is None:
             return list(out.values())
         rows = []
