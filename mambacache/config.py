@@ -163,7 +163,8 @@ class ServeConfig:
     ``model_name``: ``""`` = the model directory's or the preset's name. ``default_max_tokens``:
     for requests that give none. ``warmup``: compile the step programs of the configuration
     (``Engine.warmup``, sequences up to ``warmup_max_seq_len`` tokens, 0 = the model's context)
-    before ``/health`` says ok.
+    before ``/health`` says ok; ``warmup_logit_controls``: their penalty / grammar variants too
+    (one more program per single-step shape; off, the first such request compiles them).
     ``api_key``: ``""`` = none; else the bearer key(s), comma-separated, every route but
     ``/health`` needs (401 without). ``isolate_cache_by_key``: each bearer key's requests match
     only prefixes sent with the same key (``cache_salt`` per request splits further).
@@ -178,6 +179,7 @@ class ServeConfig:
     default_max_tokens: int = 16
     warmup: bool = True
     warmup_max_seq_len: int = 0
+    warmup_logit_controls: bool = False
     api_key: str = ""
     isolate_cache_by_key: bool = False
 
@@ -192,7 +194,7 @@ class ServeConfig:
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                      f"serve.{name} must be an int >= 0, got {value!r}")
         _positive("serve.default_max_tokens", self.default_max_tokens)
-        for name in ("warmup", "isolate_cache_by_key"):
+        for name in ("warmup", "warmup_logit_controls", "isolate_cache_by_key"):
             value = getattr(self, name)
             _require(isinstance(value, bool), f"serve.{name} must be a bool, got {value!r}")
 

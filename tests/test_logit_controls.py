@@ -154,3 +154,26 @@ def test_engine_mask_holds_every_sampled_token():
     for out, m in zip(outs, con.matchers, strict=True):
         assert len(out.output_token_ids) == 16 and set(out.output_token_ids) <= allowed
         assert m.seen == out.output_token_ids  # every token went through its matcher once
+
+
+def test_warmup_with_logit_controls_leaves_nothing_to_compile():
+    """``warmup(logit_controls=True)`` compiles the penalty / grammar variant of every step
+    shape: penalized and constrained requests then compile nothing; after a plain warm-up the
+    same requests compile their programs (pages of 2: shapes no other test here compiles)."""
+    prompts = [rand_tokens(np.random.default_rng(i), n) for i, n in ((3, 12), (4, 40), (5, 7))]
+    pen = mc.SamplingParams(max_new_tokens=9, repetition_penalty=1.3, presence_penalty=0.5,
+                            ignore_eos=True)
+    masked = mc.SamplingParams(max_new_tokens=9, constraint=SetConstraint({3, 40, 77}),
+                               ignore_eos=True)
+    params = [pen, masked, mc.SamplingParams(max_new_tokens=9)]
+    cfg = {"cache.page_size": 2, "scheduler.max_running_requests": 4}
+    plain = make_engine(**cfg)
+    assert plain.warmup(max_seq_len=64)["controls_programs"] == 0
+    plain.generate(prompts, params)
+    assert plain.metrics()["programs_compiled"] > 0  # the controlled variants, on first use
+    eng = make_engine(**cfg, **{"scheduler.chunked_prefill_size": 32})  # other shapes again
+    warm = eng.warmup(max_seq_len=64, logit_controls=True)
+    assert warm["controls_programs"] == warm["programs"] > 0, warm
+    outs = eng.generate(prompts, params)
+    assert eng.metrics()["programs_compiled"] == 0, eng.metrics()
+    assert set(outs[1].output_token_ids) <= {3, 40, 77}

@@ -263,14 +263,16 @@ class Engine:
         return self.loop.step()
 
     @owned
-    def warmup(self, max_seq_len: int | None = None) -> dict[str, Any]:
+    def warmup(self, max_seq_len: int | None = None,
+               logit_controls: bool = False) -> dict[str, Any]:
         """Compile every step program this configuration can run (sequences up to
         ``max_seq_len`` tokens; default the model's context) on an idle engine, leaving its
-        cache, pools and metrics as they were (``engine/warmup.py``). Returns ``programs``,
-        ``compiles`` (XLA compiles JAX reported), ``compile_s``, ``seconds``."""
+        cache, pools and metrics as they were (``engine/warmup.py``); ``logit_controls``: the
+        penalty / grammar variants too. Returns ``programs``, ``compiles`` (XLA compiles JAX
+        reported), ``compile_s``, ``seconds``, ``controls_programs``."""
         from mambacache.engine.warmup import warmup
 
-        self.warmup_stats = warmup(self, max_seq_len)
+        self.warmup_stats = warmup(self, max_seq_len, logit_controls)
         return self.warmup_stats
 
     # ---- [parallel] warm restarts: parallel/checkpoint.py -----------------------------------

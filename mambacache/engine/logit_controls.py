@@ -13,7 +13,9 @@ Invariants:
     so the result equals a plain numpy reference exactly (``tests/test_logit_controls.py``);
   * a step with no such row passes ``None``: its program and its results are those of a step
     without controls. With controls, the id width ``K`` is a power of two >= ``MIN_IDS``, so a
-    workload adds a few programs per step shape (compiled on first use, outside ``warmup``).
+    workload adds a few programs per step shape: ``Engine.warmup(logit_controls=True)``
+    (``serve.warmup_logit_controls``) compiles the ``K = MIN_IDS`` one of each single-step
+    shape (histories of up to 64 distinct tokens); wider ones compile on first use.
 """
 
 from __future__ import annotations
@@ -117,8 +119,9 @@ class RowControls:
 
 
 def pack_controls(rows: Sequence[RowControls], num_rows: int, vocab_size: int) -> LogitControls:
-    """The device inputs of ``rows`` (other rows of ``num_rows`` unchanged by them)."""
-    longest = max(len(r.ids) for r in rows)
+    """The device inputs of ``rows`` (other rows of ``num_rows`` unchanged by them; no rows:
+    controls that change nothing, the warm-up's)."""
+    longest = max((len(r.ids) for r in rows), default=0)
     width = max(MIN_IDS, 1 << max(longest - 1, 0).bit_length())
     ids = np.zeros((num_rows, width), np.int32)
     subtract = np.zeros((num_rows, width), np.float32)

@@ -30,7 +30,7 @@ from mambacache.engine.buckets import (
 )
 from mambacache.engine.compiles import CompileCounter
 from mambacache.engine.drafters import mtp_inputs
-from mambacache.engine.logit_controls import controls_for
+from mambacache.engine.logit_controls import controls_for, pack_controls
 from mambacache.engine.multi_step import MultiStepRows, jitted_multi_step
 from mambacache.engine.pools import PoolState, pool_fields, resize_layerwise
 from mambacache.engine.sampling import SamplingBatch
@@ -215,17 +215,21 @@ class ModelRunner:
                 **spec_chain.chain_inputs([s.chain for s in scheduled], shape.num_seqs,
                                           self.spec_k)}
 
-    def warm(self, shape: StepShape) -> None:
+    def warm(self, shape: StepShape, logit_controls: bool = False) -> None:
         """Compile (and run once) the step program of ``shape`` on dummy rows: each reads and
         writes only the dump page 0 and slot 0 (the zero state, whose writes are dropped), so
         no cached page or state changes. Call it only while no step is in flight (the
-        ``future`` row 0 it overwrites is read by no later step)."""
+        ``future`` row 0 it overwrites is read by no later step). ``logit_controls``: the
+        variant whose sampler applies penalties and masks (``MIN_IDS`` wide, changing nothing
+        here); single-step shapes only (a multi-step dispatch runs no controlled row)."""
         n = shape.num_seqs if shape.decode else 1
         seqs = [SeqSpec(tokens=[0], prefix_len=0, page_ids=[0], read_slot=0, write_slot=0)
                 for _ in range(n)]
         batch = build_forward_batch(seqs, self.page_size, all_pages=self.num_drafts > 0,
                                     as_numpy=True, **shape.sizes())
-        sb = SamplingBatch.from_params([], [], shape.num_logits)
+        controls = pack_controls([], shape.num_logits, self.model_cfg.vocab_size) \
+            if logit_controls else None
+        sb = SamplingBatch.from_params([], [], shape.num_logits, controls)
         prev = np.full(shape.num_tokens, -1, np.int32)
         if shape.iterations > 1:  # [multi-step decode] every row limit 0: frozen throughout
             rows = MultiStepRows.build([], shape.num_seqs, None)

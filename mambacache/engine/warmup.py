@@ -55,11 +55,13 @@ def min_rows(cfg: Any) -> int:
     return DETERMINISTIC_MIN_ROWS if cfg.model.deterministic else 0
 
 
-def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
+def warmup(engine: Any, max_seq_len: int | None = None,
+           logit_controls: bool = False) -> dict[str, Any]:
     """Compile the engine's program set (module docstring); what it took:
     ``programs`` (shapes run), ``compiles`` (XLA compiles JAX reported: 0 when already warm),
     ``compile_s``, ``seconds`` (wall), ``decode_programs``, ``extend_programs``,
-    ``max_seq_len``."""
+    ``max_seq_len``, ``controls_programs``. ``logit_controls``: also the penalty / grammar
+    variant of every single-step shape (``engine/logit_controls.py``)."""
     if engine.has_unfinished() or engine.in_flight is not None:
         raise ValueError("warmup needs an idle engine: "
                          f"{len(engine.scheduler.waiting)} waiting, "
@@ -68,7 +70,7 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
     runner = engine.runner
     out: dict[str, Any] = {"programs": 0, "compiles": 0, "compile_s": 0.0, "seconds": 0.0,
                            "decode_programs": 0, "extend_programs": 0,
-                           "max_seq_len": max_seq_len}
+                           "max_seq_len": max_seq_len, "controls_programs": 0}
     if not hasattr(runner, "warm"):  # the shadow runner compiles nothing
         return out
     buckets = engine_buckets(engine.cfg, engine.model_cfg, runner.max_seqs, max_seq_len)
@@ -83,6 +85,9 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     for shape in shapes:
         runner.warm(shape)
+    controlled = [s for s in shapes if s.iterations == 1] if logit_controls else []
+    for shape in controlled:
+        runner.warm(shape, logit_controls=True)
     splits = _warm_splits(engine, shapes)
     if engine.cfg.speculative.enabled:
         runner.copy_slots([])  # the scratch end-state copy: slot 0 onto itself
@@ -93,7 +98,8 @@ def warmup(engine: Any, max_seq_len: int | None = None) -> dict[str, Any]:
     out.update(programs=len(shapes), compiles=compiles - before[0],
                compile_s=compile_s - before[1], seconds=time.perf_counter() - t0,
                decode_programs=decode, extend_programs=len(shapes) - decode,
-               max_seq_len=buckets.max_seq_len, device_splits=splits)
+               max_seq_len=buckets.max_seq_len, device_splits=splits,
+               controls_programs=len(controlled))
     logging.info("warm-up: %d step programs (%d compiled) in %.1f s", len(shapes),
                  out["compiles"], out["seconds"])
     return out

@@ -63,7 +63,8 @@ class Server:
         self.auth = Auth(serve_cfg.api_key, serve_cfg.isolate_cache_by_key)
         self.loop = EngineLoop(engine, max_waiting=self.cfg.max_waiting, observer=self.metrics,
                                warmup=self.cfg.warmup,
-                               warmup_max_seq_len=self.cfg.warmup_max_seq_len or None)
+                               warmup_max_seq_len=self.cfg.warmup_max_seq_len or None,
+                               warmup_logit_controls=self.cfg.warmup_logit_controls)
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -81,12 +81,14 @@ class EngineLoop:
     ``first_token(s)``, ``inter_token(s)``, ``finished(output, e2e_s)`` from that thread."""
 
     def __init__(self, engine: Engine, *, max_waiting: int, observer: Any = None,
-                 warmup: bool = True, warmup_max_seq_len: int | None = None):
+                 warmup: bool = True, warmup_max_seq_len: int | None = None,
+                 warmup_logit_controls: bool = False):
         self.engine = engine
         self.capacity = engine.cfg.scheduler.max_running_requests + max_waiting
         self.observer = observer
         self.warmup = warmup
         self.warmup_max_seq_len = warmup_max_seq_len
+        self.warmup_logit_controls = warmup_logit_controls
         self.warmup_error: str | None = None
         self.warmup_report: dict[str, Any] = {}
         self.snapshot: dict[str, Any] = {}  # the engine's metrics() after a recent step
@@ -200,7 +202,8 @@ class EngineLoop:
         t = time.perf_counter()
         try:
             if hasattr(self.engine, "warmup"):
-                self.warmup_report = self.engine.warmup(self.warmup_max_seq_len)
+                controls = {"logit_controls": True} if self.warmup_logit_controls else {}
+                self.warmup_report = self.engine.warmup(self.warmup_max_seq_len, **controls)
             else:
                 self.engine.generate([WARMUP_PROMPT], SamplingParams(max_new_tokens=2))
         except Exception as err:  # noqa: BLE001 - reported by /health, then served anyway
