@@ -303,11 +303,18 @@ class CacheManager:
     def check_step(self, scheduled: Sequence[ScheduledSeq]) -> None:
         """Raise if a scheduled step breaks a step invariant (``step_checks.check_step``)."""
         check_step(self.cache, scheduled, self.page_size)
-        if self.loads_in_flight():  # [host tier] a state still loading is read by no row
+        if self.loads_in_flight():  # [host tier] a state or page still loading is read by no row
+            loading = {p for pages in self.cache.host_tier.loading_pages.values()
+                       for p in pages.tolist()}
             for s in scheduled:
                 if self.load_in_flight(s.spec.read_slot):
                     raise AssertionError(f"request {s.req.request_id} reads state slot "
                                          f"{s.spec.read_slot} before its load has landed")
+                read = s.spec.page_ids[:-(-s.spec.prefix_len // self.page_size)]
+                if not loading.isdisjoint(int(p) for p in read):
+                    raise AssertionError(f"request {s.req.request_id} reads KV pages "
+                                         f"{sorted(loading.intersection(map(int, read)))} "
+                                         "before their load has landed")
 
     def check(self, running: Iterable[Request], waiting: Iterable[Request]) -> None:
         """Raise ``AssertionError`` unless the cache is intact and the allocators' held ids are
