@@ -222,6 +222,13 @@ def test_fuzz_byte_budget(overlap):
     assert held_back > 0  # the rule really held requests back
 
 
+def test_fuzz_byte_budget_first_chunk_that_does_not_fit():
+    """Seed 10016 (found by a long fuzz run): a request admitted under the byte budget whose
+    first chunk cannot grow preempts itself; admission must stop for the step instead of
+    taking it again from the queue's head forever (it spun inside one ``schedule``)."""
+    assert run_fuzz(10016, overlap=True, byte_budget=True) > 0
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_fuzz_moving_device_split(overlap):
     """[rebalance] The device split moves while requests run (forced and tuned): rows of a

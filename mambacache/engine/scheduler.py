@@ -173,7 +173,12 @@ class Scheduler:
                     num_done += 1
         max_running = self.cfg.scheduler.max_running_requests + num_done
         deferred = []
+        pops = len(self.waiting)  # each waiting request is looked at once at most (no spin)
         while self.waiting and budget > 0 and len(self.running) < max_running:
+            pops -= 1
+            if pops < 0:
+                raise RuntimeError(f"scheduler: admission looked at more requests than wait "
+                                   f"({self.describe()})")
             req = self.waiting.popleft()
             if req.num_pending:  # [overlap] preempted with a token in flight: wait for it
                 self.waiting.appendleft(req)
@@ -188,6 +193,8 @@ class Scheduler:
             req.status = RUNNING
             self.running.append(req)
             budget = self._add_chunk(req, budget)
+            if req.status is not RUNNING:  # its first chunk did not fit: it waits again, and
+                break  # admitting it again now would find the same pools (no spin)
         self.waiting.extendleft(reversed(deferred))
         if not out and self.manager.loads_in_flight():
             # [host tier] nothing else to run: the step waits for the loads it needs (on the
