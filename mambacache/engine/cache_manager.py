@@ -140,14 +140,17 @@ class CacheManager:
         tier = self.cache.host_tier
         if tier is None or not tier.loading:
             return
-        ps = self.page_size
-        read = {p for spec in specs for p in spec.page_ids[:-(-spec.prefix_len // ps)]}
+        read = {int(p) for spec in specs for p in self._read_pages(spec)}
         last = None
         for slot, pages in tier.loading_pages.items():
             if not read.isdisjoint(pages.tolist()):
                 last = slot
         if last is not None:
             self.land_loads(upto=last)
+
+    def _read_pages(self, spec: SeqSpec) -> Sequence[int]:
+        """The KV pages a row reads: those of its first ``prefix_len`` tokens."""
+        return spec.page_ids[:self.pages_for(spec.prefix_len)]
 
     def count_load_wait(self) -> None:
         """[host tier] A request sat out a step because its load had not landed."""
@@ -310,7 +313,7 @@ class CacheManager:
                 if self.load_in_flight(s.spec.read_slot):
                     raise AssertionError(f"request {s.req.request_id} reads state slot "
                                          f"{s.spec.read_slot} before its load has landed")
-                read = s.spec.page_ids[:-(-s.spec.prefix_len // self.page_size)]
+                read = self._read_pages(s.spec)
                 if not loading.isdisjoint(int(p) for p in read):
                     raise AssertionError(f"request {s.req.request_id} reads KV pages "
                                          f"{sorted(loading.intersection(map(int, read)))} "
