@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.moe import mlp_block  # noqa: F401  (re-exported: the Qwen / Kimi feed-forward)
+from models.precision import exact_matmuls
 from pallas_kernels import ops
 
 KERNELS = ("pallas", "reference", "auto")
@@ -78,6 +79,8 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
     """Run one step over the packed batch; returns (updated pools, logits ``[L, V]`` float32),
     and with ``return_hidden`` the final-normed hidden state of every packed token ``[T, H]``
     (the input of the MTP head, ``models/mtp.py``; Qwen3-Next / Qwen3.5 families).
+    Float32 weights compute at HIGHEST matmul precision on every backend (no TF32 on a GPU;
+    ``models/precision.py``); other dtypes at the backend's default.
 
     Logits are taken at ``batch.logits_indices``. ``decode=True`` requires one token per
     sequence (``T == B``) and uses the single-step recurrent/conv ops. ``mesh``: see the module
@@ -89,7 +92,8 @@ def forward(params: dict[str, Any], pools: Any, batch: Any, *, cfg: ModelConfig,
     if decode and batch.input_ids.shape[0] != batch.read_slot.shape[0]:
         raise ValueError(f"decode needs one token per sequence: {batch.input_ids.shape[0]} tokens, "
                          f"{batch.read_slot.shape[0]} sequences")
-    return _forward(params, pools, batch, cfg, impl, decode, mesh, return_hidden)
+    with exact_matmuls(params["embed"].dtype):  # float32 means float32 (models/precision.py)
+        return _forward(params, pools, batch, cfg, impl, decode, mesh, return_hidden)
 
 
 def _forward(params: dict[str, Any], pools: Any, batch: Any, cfg: ModelConfig, impl: str,

@@ -31,6 +31,7 @@ from models.config import ModelConfig
 from models.layers import rms_norm
 from models.mixers import full_attention
 from models.moe import mlp_block
+from models.precision import exact_matmuls
 
 
 def mtp_layer(cfg: ModelConfig, mtp: dict[str, Any], embed: jax.Array, ids: jax.Array,
@@ -105,6 +106,15 @@ def mtp_draft(params: dict[str, Any], pools: Any, batch: Any, hidden: jax.Array,
     Returns (pools with the MTP layer's K/V written, drafts int32
     ``[B, num_drafts + num_alts]``).
     """
+    with exact_matmuls(params["embed"].dtype):  # float32 means float32 (models/precision.py)
+        return _mtp_draft(params, pools, batch, hidden, sampled, inputs, cfg=cfg,
+                          num_drafts=num_drafts, impl=impl, mesh=mesh, num_alts=num_alts)
+
+
+def _mtp_draft(params: dict[str, Any], pools: Any, batch: Any, hidden: jax.Array,
+               sampled: jax.Array, inputs: dict[str, jax.Array], *, cfg: ModelConfig,
+               num_drafts: int, impl: str, mesh: Mesh | None,
+               num_alts: int) -> tuple[Any, jax.Array]:
     mtp, embed, lm_head = params["mtp"], params["embed"], params["lm_head"]
     row = inputs["next_row"]
     nxt = jnp.where(row >= 0, sampled[jnp.maximum(row, 0)], inputs["next_ids"])

@@ -13,6 +13,9 @@ each of four, same machine). Both are set in the environment before JAX initiali
 subprocesses (servers, mesh workers: `tests/multidevice.py` appends its device count) compile
 the same way.
 `MAMBACACHE_TEST_XLA_OPT=1` keeps XLA's defaults (to run the suite as users compile).
+Only flags the running XLA knows are set (a subprocess probe once per session): XLA aborts on an
+unknown flag, and jax >= 0.11 no longer has `--xla_cpu_use_fusion_emitters` (it compiles CPU
+fusions with the fusion emitters only).
 
 Memory maps: every program XLA compiles for the CPU maps three regions per kernel (code, read-only
 data, data; about 40 maps for a small step function), and they stay mapped while JAX's caches hold
@@ -28,17 +31,41 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 import warnings
 
 import pytest
 
-if os.environ.get("MAMBACACHE_TEST_XLA_OPT", "0") != "1":
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def xla_knows(flags: list[str]) -> bool:
+    """Does the installed XLA accept ``flags``? XLA aborts the process on a flag it does not
+    know (jax >= 0.11 dropped ``--xla_cpu_use_fusion_emitters``), so ask a subprocess that
+    starts the CPU backend with them (about a second)."""
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
+def known_test_flags(flags: tuple[str, ...]) -> list[str]:
+    """The test flags the running XLA knows: all of them when it takes them together (one
+    probe), else each probed on its own."""
+    if xla_knows(list(flags)):
+        return list(flags)
+    return [flag for flag in flags if xla_knows([flag])]
+
+
+# workers (xdist) and subprocesses inherit the controller's environment: probe once per session
+if (os.environ.get("MAMBACACHE_TEST_XLA_OPT", "0") != "1"
+        and os.environ.get("MAMBACACHE_TEST_XLA_PROBED") != "1"):
     _flags = os.environ.get("XLA_FLAGS", "")
-    for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-        if _flag.split("=")[0] not in _flags:
-            _flags = f"{_flags} {_flag}".strip()
+    _missing = tuple(f for f in TEST_XLA_FLAGS if f.split("=")[0] not in _flags)
+    for _flag in known_test_flags(_missing) if _missing else []:
+        _flags = f"{_flags} {_flag}".strip()
     os.environ["XLA_FLAGS"] = _flags
+    os.environ["MAMBACACHE_TEST_XLA_PROBED"] = "1"
     if "jax" in sys.modules:  # a plugin imported JAX first: the level applies to subprocesses only
         warnings.warn("tests/conftest.py: JAX was imported before XLA_FLAGS was set", stacklevel=1)
 
