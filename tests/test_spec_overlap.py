@@ -1,8 +1,9 @@
 """Speculative decoding overlapped with the host (``engine/spec_chain.py``, issue 30): a
 request's next row is dispatched before its verify row is read, shifted on the device by the
-verify's outcome. Outputs equal the synchronous loop's (greedy tokens, fp32 logprobs within
-1e-4; seeded sampling), most verify steps overlap, a stop inside accepted drafts with a chained
-row in flight keeps the tree exact, and the next turn hits the verified prefix.
+verify's outcome (MTP: drafts made on the device); ngram rows wait for their tokens and verify
+the synchronous loop's drafts (issue 39). Outputs equal the synchronous loop's (greedy tokens,
+fp32 logprobs within 1e-4; seeded sampling), most MTP verify steps overlap, a stop inside
+accepted drafts keeps the tree exact, and the next turn hits the verified prefix.
 
 The ngram and MTP cases run the near-bigram model of ``test_mtp.py`` (its greedy output falls
 into cycles, so prompt lookup hits, and its seeded MTP head agrees often)."""
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from tests.engine_helpers import assert_same_outputs, spec_params, spec_prompts
+from mambacache.engine.engine import Engine
+from tests.engine_helpers import assert_same_outputs, spec_params, spec_prompts, tiny_model
 from tests.test_mtp import _engine
 from tests.test_speculative_engine import _spec_engine, references  # noqa: F401
 
@@ -36,7 +38,11 @@ def test_overlapped_equals_synchronous(method):
     m, ms = eng.metrics(), sync.metrics()
     assert ms["overlap_steps"] == 0 and eng.loop.depth == 1
     assert m["spec_verify_steps"] > 3 and m["spec_accepted_tokens"] > 0, m
-    assert m["overlap_steps"] >= m["spec_verify_steps"] / 2, m
+    if method == "mtp":  # drafts made on the device: the next row is chained
+        assert m["overlap_steps"] >= m["spec_verify_steps"] / 2, m
+    else:  # drafts made on the host: each verify waits for its tokens (the synchronous rows)
+        keys = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
+        assert {k: m[k] for k in keys} == {k: ms[k] for k in keys}
     follow = [prompt + outs[0].output_token_ids + [7, 8, 9]]
     again = eng.generate(follow, mc.SamplingParams(max_new_tokens=6))
     assert again[0].cached_tokens >= len(prompt), again[0].cached_tokens
@@ -66,3 +72,43 @@ def test_stops_inside_drafts_sampled(references):  # noqa: F811
     assert_same_outputs(eng.generate(turn2, sp),
                         _spec_engine(ref, **pools, **{"cache.enable": False}).generate(turn2, sp))
     eng.check_integrity()
+
+
+def _item1_prompts() -> list[list[int]]:
+    """Issue 39's workload: a 9-token pattern five times plus 4 tokens (prompt lookup hits),
+    and two prompts without a pattern (ids in [3, 300))."""
+    rng = np.random.default_rng(77)
+    pat = rng.integers(3, 300, 9).tolist()
+    return [pat * 5 + pat[:4], rng.integers(3, 300, 20).tolist(),
+            rng.integers(3, 300, 40).tolist()]
+
+
+def _item1_engine(**overrides):
+    cfg = mc.EngineConfig.load("configs/tiny_qwen3_next.toml", overrides={
+        "cache.page_size": 4, "scheduler.chunked_prefill_size": 37, **overrides})
+    return Engine(cfg, model=tiny_model())
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_ngram_drafts_under_overlap(adaptive):
+    """Issue 39 item 1: ngram under overlap (the default) drafted nothing (each chained row
+    guessed its bonus; the guess missed). Overlapped, the engine verifies the same drafts on
+    the same steps as the synchronous loop, with the outputs of both and of no speculation."""
+    prompts, sp = _item1_prompts(), mc.SamplingParams(max_new_tokens=20)
+    spec = {"speculative.method": "ngram", "speculative.num_draft_tokens": 4,
+            "speculative.adaptive": adaptive}
+    runs = {}
+    for overlap in (True, False):
+        eng = _item1_engine(**spec, **{"scheduler.overlap": overlap})
+        runs[overlap] = eng, eng.generate(prompts, sp)
+    off = _item1_engine().generate(prompts, sp)
+    (eng, outs), (sync, ref) = runs[True], runs[False]
+    assert eng.loop.depth == 1 and sync.loop.depth == 0
+    assert_same_outputs(outs, ref, atol=1e-4)
+    assert_same_outputs(outs, off, atol=1e-4)
+    m, ms = eng.metrics(), sync.metrics()
+    assert m["spec_verify_steps"] > 0, m
+    keys = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_rows")
+    assert {k: m[k] for k in keys} == {k: ms[k] for k in keys}
+    eng.check_integrity()
+    assert eng.in_flight is None

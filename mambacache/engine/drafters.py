@@ -35,7 +35,11 @@ if TYPE_CHECKING:
 class Drafter:
     """The interface ``SpecDecoder`` uses: ``propose_for(req, k)`` (up to ``k`` drafts to follow
     ``req.token_ids``) and ``forget(request_id)`` (the request released). A drafter that only
-    looks at tokens implements ``propose(tokens, k)``."""
+    looks at tokens implements ``propose(tokens, k)``. ``on_device``: the drafts are made by
+    the step on the device (a request's next row may be planned before its tokens are read);
+    otherwise they are proposed here from the tokens read."""
+
+    on_device = False
 
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         raise NotImplementedError
@@ -119,6 +123,8 @@ class MtpDrafter(Drafter):
     assume the previous step's accepted count, which the host's equals unless the request
     stopped (and then it has no next step).
     """
+
+    on_device = True
 
     def __init__(self, cfg: SpeculativeConfig):
         self.k = cfg.num_draft_tokens  # the step's drafts per row, then topk - 1 alternatives

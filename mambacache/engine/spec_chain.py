@@ -12,10 +12,12 @@ from step N's outcome, which every step leaves in its carry (``ModelRunner.futur
   * it reads ``cand[a]`` (the slot step N wrote the state after ``a + 1`` of its tokens to),
     and writes the state after offset ``j`` to the ``j``-th slot of ``pool`` (running slot +
     scratch lane) that is not ``cand[a]``: the host's ``verify_targets`` rule, on the device;
-  * drafts: ``mtp`` rows take the MTP head's drafts made by step N for that row; ``ngram``
-    rows carry the host's lookup over ``tokens + step N's drafts``, valid only if step N
-    accepted all of them and its bonus is the lookup's first token (``expect``); otherwise the
-    row verifies no draft (it is a decode of the bonus, its other positions wasted).
+  * drafts: the MTP head's, made by step N for that row (drafts made on the device). A
+    drafter on the host (``ngram``) is never chained: its drafts depend on step N's tokens,
+    and a guess of them (an earlier design: the lookup over ``tokens + step N's drafts``,
+    valid only if the target took exactly that path) drafted nothing the synchronous loop
+    drafted whenever the guess missed (issue 39). The step loop reads step N first instead
+    (``StepLoop._drafts_need_tokens``), so those rows are the synchronous loop's.
 
 After the read of step N the host knows ``a`` and resolves the row (``resolve``): its start,
 slots and drafts become plain host facts, the same the device used, and its own outcome is
@@ -41,9 +43,8 @@ class Chain:
     base: int  # drafts the host assumes the predecessor accepts (all it verifies)
     cand: tuple[int, ...]  # cand[a]: the predecessor's state slot after accepting a drafts
     pool: tuple[int, ...]  # running slot + scratch lane: the row's targets, minus what it reads
-    expect: int  # [ngram] the bonus the drafts assume (-1: drafts are the device's, or none)
     ndraft: int  # draft positions of the row (its extend is 1 + ndraft tokens)
-    proposal: tuple[int, ...] = ()  # [ngram] the drafts, valid if the bonus is ``expect``
+    expect: int = -1  # the device's input: -1, the drafts are the MTP head's (never a guess)
 
 
 def targets(pool: Sequence[int], read: int, n: int) -> tuple[int, ...]:

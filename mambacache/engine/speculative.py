@@ -163,38 +163,34 @@ class SpecDecoder:
         return plan_tree(req, tree, mtp_room, lambda: self._take_lane(req))
 
     def plan_chained(self, req: Request) -> ScheduledSeq | None:
-        """[overlap] The row of ``req`` whose previous row (in the step in flight) is not read
-        yet (``engine/spec_chain.py``), planned as if that row accepts all its drafts; None if
-        the pages for it are not free (drafts never preempt; the request waits for the read)."""
+        """[overlap, drafts on the device] The row of ``req`` whose previous row (in the step
+        in flight) is not read yet (``engine/spec_chain.py``), planned as if that row accepts
+        all its drafts; None if the pages for it are not free (drafts never preempt; the
+        request waits for the read). A host drafter's request never gets here: the step loop
+        reads its previous row first (``StepLoop._drafts_need_tokens``)."""
+        if not self.drafter.on_device:
+            raise AssertionError(f"request {req.request_id}: a chained row needs drafts made "
+                                 f"on the device, not by {type(self.drafter).__name__}")
         prev, b = self.flying[req.request_id]
-        lease, known = req.lease, req.token_ids
+        lease = req.lease
         if prev.verifies:  # its progress is recorded when read: ``prev.start`` is the lease's
             m, cand = len(prev.drafts), prev.targets[:len(prev.drafts) + 1]
-            start, virtual = prev.start + m + 1, np.concatenate(
-                [known, np.asarray(prev.drafts, np.int32)])
+            start = prev.start + m + 1
         else:  # a decode or a prefill's last chunk: recorded at dispatch
-            m, cand, start, virtual = 0, (lease.state_slot,), prev.end, known
+            m, cand, start = 0, (lease.state_slot,), prev.end
         left = req.params.max_new_tokens - len(req.output_ids) - (m + 1)
         n = max(0, min(self._budget.get(req.request_id, self.k), left - 1))
-        expect, drafts = -1, ()
-        if n and not self.chain_room:  # [ngram] the lookup over tokens + the drafts in flight
-            props = self.drafter.propose(virtual, n + 1)
-            expect, drafts = (props[0], tuple(props[1:n + 1])) if props else (-1, ())
-            n = len(drafts)
         if not lease.grow(start + 1):
             return None
-        if self.chain_room:  # [mtp] room for the chained drafts' K/V if free
-            lease.grow(start + 1 + n + self.k - 1)
+        lease.grow(start + 1 + n + self.k - 1)  # room for the chained drafts' K/V if free
         if not lease.grow(start + 1 + n):
             n = max(min(n, lease.room(start + 1)), 0)
-            drafts = drafts[:n]
         self._take_lane(req)
         pool = (lease.running_slot, *lease.scratch_slots)
         tg = targets(pool, cand[m], n + 1)
         s = ScheduledSeq(req, start, start + 1, write_slot=tg[n])
-        s.drafts, s.targets = drafts if not self.chain_room else (0,) * n, tg
-        s.chain = Chain(src=b, base=m, cand=tuple(cand), pool=pool, expect=expect, ndraft=n,
-                        proposal=drafts)
+        s.drafts, s.targets = (0,) * n, tg
+        s.chain = Chain(src=b, base=m, cand=tuple(cand), pool=pool, ndraft=n)
         return s
 
     def dispatched(self, scheduled: Sequence[ScheduledSeq]) -> None:
@@ -214,16 +210,12 @@ class SpecDecoder:
         s.end = s.start + 1
         s.targets = targets(c.pool, c.cand[accepted], c.ndraft + 1)
         s.write_slot = s.targets[c.ndraft]
-        if self.chain_room:
-            s.drafts = tuple(int(d) for d in mtp_drafts[:c.ndraft])
-        else:
-            s.drafts = c.proposal if accepted == c.base and bonus == c.expect else ()
+        s.drafts = tuple(int(d) for d in mtp_drafts[:c.ndraft])
         s.resolved = True
 
     def _chained_spec(self, s: ScheduledSeq) -> SeqSpec:
         c, lease = s.chain, s.req.lease
-        tokens = np.zeros(1 + c.ndraft, np.int32)
-        tokens[1:1 + len(c.proposal)] = c.proposal
+        tokens = np.zeros(1 + c.ndraft, np.int32)  # the bonus and the drafts: the device's
         return SeqSpec(tokens=tokens, prefix_len=s.start, page_ids=lease.page_ids,
                        read_slot=c.cand[c.base], write_slot=s.write_slot,
                        snapshots=[(j, s.targets[j - 1]) for j in range(1, c.ndraft + 1)],

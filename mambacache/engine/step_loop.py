@@ -17,6 +17,12 @@ One ``Engine.step`` call:
      dropped when read (it is FINISHED by then). Once nothing is unfinished, a step still in
      flight holds only dropped rows: it is read then, so an idle engine has nothing in flight.
 
+[speculative, drafts on the host (``ngram``)] A request's next drafts depend on the tokens its
+row in flight samples: at depth 1 that step is read before the next one is scheduled (when a
+row of it samples for a running request), so every verify row is the synchronous loop's (the
+same drafts on the same steps). Drafts made on the device (``mtp``) chain instead
+(``engine/spec_chain.py``).
+
 [multi-step decode] A step the scheduler planned with ``iterations`` K > 1 is dispatched with
 ``Runner.run_multi``: each row samples up to its ``steps`` tokens (``[K, rows]``), all pending
 at once; the read cuts a row at its first stop token (the device froze it there) and rewinds its
@@ -63,14 +69,18 @@ class StepLoop:
         """Schedule, run and account one step; the requests whose last token was read."""
         e, t_start = self.engine, time.perf_counter()
         check = e.cfg.scheduler.check_integrity_every_step
+        outs: list[RequestOutput] = []
+        wait_s, read_first = 0.0, False
+        if self.in_flight is not None and self._drafts_need_tokens(self.in_flight):
+            fl, self.in_flight, read_first = self.in_flight, None, True  # [host drafts]
+            wait_s = self._read(fl, outs)
         scheduled = e.scheduler.schedule()
         if self.spec is not None:
             self._flush_slot_copies()  # ends released while scheduling (preemption)
-        if not scheduled and self.in_flight is None:
+        if not scheduled and self.in_flight is None and not read_first:
             return []
         if scheduled and check:
             e.scheduler.check_step(scheduled)
-        outs: list[RequestOutput] = []
         launched = self._dispatch(scheduled, outs) if scheduled else None
         if launched is None and scheduled and not self.depth:
             self._settle_loads()
@@ -79,9 +89,8 @@ class StepLoop:
             to_read, self.in_flight = self.in_flight, launched
         else:
             to_read = launched
-        wait_s = 0.0
         if to_read is not None:
-            wait_s = self._read(to_read, outs)
+            wait_s += self._read(to_read, outs)
         if self.depth:
             if launched is not None and self.in_flight is launched:
                 for i, row in launched.rows:
@@ -99,6 +108,16 @@ class StepLoop:
         if check:
             e.check_integrity()
         return outs
+
+    def _drafts_need_tokens(self, fl: InFlight) -> bool:
+        """[speculative, overlap] Whether ``fl`` must be read before the next step is planned:
+        the drafter proposes on the host from a request's tokens (``ngram``), and a row of
+        ``fl`` samples for a request still running. Its next row's drafts depend on the token
+        the row samples, so planning it first (a chained row) cannot draft what the
+        synchronous loop drafts; this step runs synchronously instead (issue 39)."""
+        if self.spec is None or self.spec.drafter.on_device:
+            return False
+        return any(fl.scheduled[i].req.status is RUNNING for i, _ in fl.rows)
 
     def _settle_loads(self) -> None:
         """[host tier] Idle: finish the loads of failed or aborted requests (nothing in flight
