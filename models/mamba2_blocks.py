@@ -70,7 +70,7 @@ def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, impl: 
     """Sigmoid-scored, group-limited top-k over non-gated relu2 experts, plus the shared expert
     on the same input; routing in fp32 as transformers. With the references the dense form
     (every expert on every token, weight 0 outside the top-k: exact, ``T * E`` evaluations);
-    with the Pallas kernels the grouped ``ragged_dot`` form of ``models/moe.py`` (``T * k``)."""
+    with the Pallas kernels the grouped matmul kernel (``models/moe.py``, ``T * k``)."""
     num_experts = p["router"].shape[-1]
     top_vals, top_idx = route(x.astype(F32), p["router"].astype(F32), cfg.num_experts_per_tok,
                               cfg.norm_topk_prob, bias=p["router_bias"],
@@ -82,7 +82,8 @@ def nemotron_moe(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, impl: 
         per_expert = jnp.einsum("tei,eid->ted", h, p["down"]).astype(F32)
         routed = jnp.einsum("ted,te->td", per_expert, w)
     else:
-        routed = routed_experts(x, top_vals, top_idx, p["up"], p["down"], act=relu2, mesh=mesh)
+        routed = routed_experts(x, top_vals, top_idx, p["up"], p["down"], activation="relu2",
+                                mesh=mesh, impl=impl)
     return routed.astype(x.dtype) + relu2(x @ p["shared_up"]) @ p["shared_down"]
 
 
@@ -104,5 +105,5 @@ def granite_ffn(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str
     if dense_moe(cfg, impl):
         return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok, True,
                                    fixed_order=cfg.deterministic)
-    return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, True, mesh=mesh,
+    return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, True, mesh=mesh, impl=impl,
                        fixed_order=cfg.deterministic)

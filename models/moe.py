@@ -3,12 +3,15 @@
 Routing (both forms, one ``jax.lax.top_k`` call, so ties resolve identically): ``softmax`` of
 ``x @ router`` in fp32, top-k, optionally renormalised, cast to the activation dtype.
 
-* ``moe_grouped``: the serving form. The ``T * k`` (token, expert) pairs are sorted by expert and
-  each expert's SwiGLU runs only on its own rows with ``jax.lax.ragged_dot`` (per-expert group
-  sizes), then the outputs are weighted and summed back per token. Work ``~ T * k``.
-  On GPU / TPU ``ragged_dot`` lowers to the native grouped matmul (``chlo.ragged_dot``; Triton
-  Pallas on GPU); on CPU JAX expands it to a masked dense matmul over every group, so there the
-  grouped form costs ``E * T * k`` (see ``docs/model.md`` for the measurement).
+* ``moe_grouped``: the serving form. Each of the ``T * k`` (token, expert) pairs runs only on
+  its own expert, then the outputs are weighted and summed back per token. Work ``~ T * k``.
+  ``impl="pallas"`` (the model's serving path): the grouped matmul op ``pallas_kernels.ops.
+  grouped_moe`` (GPU: rows sorted by expert and padded to blocks, SwiGLU / relu2 and the
+  routing weight fused; TPU: megablox ``gmm``), interpreted off its backend.
+  ``impl="ragged_dot"``: the pairs sorted by expert and two ``jax.lax.ragged_dot`` (kept for
+  comparison: on TPU it lowers natively, but XLA's GPU backend rewrites it into one dense
+  product over every expert, and on CPU JAX expands it to a masked dense matmul over every
+  group, ``E * T * k``: ``docs/model.md``, ``docs/kernels.md``).
   Under tensor parallel (``mesh`` with a ``"tp"`` axis, experts split on axis 0) the routed part
   runs in ``jax.shard_map``: x and the routing replicated, each device takes the pairs of its
   ``E / tp`` local experts, and the partial outputs are summed with ``psum`` over ``"tp"``.
@@ -27,7 +30,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models.layers import F32, swiglu
+from pallas_kernels import ops
 from pallas_kernels.fixed_order import row_sum, softmax
+from pallas_kernels.reference.grouped_matmul import activate
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
@@ -116,14 +121,12 @@ def _bias(p: dict[str, jax.Array], routing: dict) -> dict:
     return {**routing, "bias": p["router_bias"]} if "router_bias" in p else routing
 
 
-def _glu(h: jax.Array) -> jax.Array:
-    """SwiGLU on the expert's ``gate | up`` projection ``[..., 2I]`` -> ``[..., I]``."""
-    g, u = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(g) * u
+GROUPED_IMPLS = ("pallas", "reference", "ragged_dot")
 
 
 def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_up: jax.Array,
-                     down: jax.Array, expert_offset: jax.Array | int, act=_glu) -> jax.Array:
+                     down: jax.Array, expert_offset: jax.Array | int,
+                     activation: str = "swiglu") -> jax.Array:
     """Routed output ``[T, H]`` float32 of the experts ``expert_offset + [0, E_local)``.
 
     x ``[T, H]``; top_vals / top_idx ``[T, k]`` (global expert ids); gate_up ``[E_local, H, 2I]``,
@@ -138,7 +141,7 @@ def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate
     group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
     rows = jnp.take(x, order // top_k, axis=0)                     # [T*k, H]
     h = jax.lax.ragged_dot(rows, gate_up, group_sizes)             # [T*k, 2I] (or [T*k, I])
-    out = jax.lax.ragged_dot(act(h), down, group_sizes)            # [T*k, H]
+    out = jax.lax.ragged_dot(activate(h, activation), down, group_sizes)            # [T*k, H]
     # rows past sum(group_sizes) (other devices' pairs) are not defined by ragged_dot: mask
     out = jnp.where(jnp.take(is_local, order)[:, None], out, jnp.zeros_like(out))
     weighted = out * jnp.take(top_vals.reshape(-1), order)[:, None]  # x.dtype, as the dense form
@@ -147,31 +150,41 @@ def _grouped_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate
 
 
 def moe_grouped(x: jax.Array, p: dict[str, jax.Array], top_k: int, norm_topk_prob: bool, *,
-                mesh: Mesh | None = None, **routing) -> jax.Array:
-    """Grouped (token-sorted) top-k MoE plus the shared expert; x ``[T, H]`` -> ``[T, H]``.
+                mesh: Mesh | None = None, impl: str = "pallas", **routing) -> jax.Array:
+    """Grouped top-k MoE plus the shared expert; x ``[T, H]`` -> ``[T, H]``.
 
     Same params and result as ``moe_dense_reference`` (fp32: equal to rounding), cost
-    ``~T * k`` on GPU / TPU. ``mesh``: None for one device, else a mesh with a ``"tp"`` axis
-    over which ``gate_up`` / ``down`` are split on the expert axis (``E % tp == 0``).
+    ``~T * k``. ``impl``: one of ``GROUPED_IMPLS`` (``routed_experts``). ``mesh``: None for one
+    device, else a mesh with a ``"tp"`` axis over which ``gate_up`` / ``down`` are split on the
+    expert axis (``E % tp == 0``).
     """
     top_vals, top_idx = route(x, p["router"], top_k, norm_topk_prob, **_bias(p, routing))
-    routed = routed_experts(x, top_vals, top_idx, p["gate_up"], p["down"], mesh=mesh)
+    routed = routed_experts(x, top_vals, top_idx, p["gate_up"], p["down"], mesh=mesh, impl=impl)
     return routed.astype(x.dtype) + _shared_expert(x, p)
 
 
 def routed_experts(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, w_in: jax.Array,
-                   w_out: jax.Array, *, act=_glu, mesh: Mesh | None = None) -> jax.Array:
+                   w_out: jax.Array, *, activation: str = "swiglu", mesh: Mesh | None = None,
+                   impl: str = "pallas") -> jax.Array:
     """The grouped routed part alone, ``[T, H]`` float32: ``sum_k top_vals * w_out(act(w_in
-    x))`` over each token's experts. ``w_in [E, H, I_in]``, ``w_out [E, I, H]``; ``act`` maps
-    ``I_in`` to ``I`` (default SwiGLU on ``gate | up``; Nemotron-H passes relu2 with
-    ``I_in = I``). ``mesh``: experts split over "tp" as in ``moe_grouped``."""
+    x))`` over each token's experts. ``w_in [E, H, I_in]``, ``w_out [E, I, H]``;
+    ``activation`` maps ``I_in`` to ``I`` (``"swiglu"`` on ``gate | up``; Nemotron-H's
+    ``"relu2"`` with ``I_in = I``). ``impl``: ``"pallas"`` / ``"reference"``: the grouped
+    matmul op ``ops.grouped_moe`` (its kernel family, or its per-pair reference);
+    ``"ragged_dot"``: sort + two ``lax.ragged_dot``. ``mesh``: experts split over "tp" as in
+    ``moe_grouped``."""
+    if impl not in GROUPED_IMPLS:
+        raise ValueError(f"impl must be one of {GROUPED_IMPLS}, got {impl!r}")
+    if impl != "ragged_dot":
+        return ops.grouped_moe(x, top_vals, top_idx, w_in, w_out, activation=activation,
+                               impl=impl, mesh=mesh)
     if mesh is None:
-        return _grouped_experts(x, top_vals, top_idx, w_in, w_out, 0, act)
-    return _routed_on_mesh(x, top_vals, top_idx, w_in, w_out, mesh, act)
+        return _grouped_experts(x, top_vals, top_idx, w_in, w_out, 0, activation)
+    return _routed_on_mesh(x, top_vals, top_idx, w_in, w_out, mesh, activation)
 
 
 def _routed_on_mesh(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_up: jax.Array,
-                    down: jax.Array, mesh: Mesh, act=_glu) -> jax.Array:
+                    down: jax.Array, mesh: Mesh, activation: str = "swiglu") -> jax.Array:
     if TP_AXIS not in mesh.axis_names:
         raise ValueError(f"mesh axes {mesh.axis_names} must include {TP_AXIS!r}")
     tp = mesh.shape[TP_AXIS]
@@ -180,7 +193,7 @@ def _routed_on_mesh(x: jax.Array, top_vals: jax.Array, top_idx: jax.Array, gate_
 
     def per_device(x, top_vals, top_idx, gate_up, down):
         offset = jax.lax.axis_index(TP_AXIS) * gate_up.shape[0]
-        part = _grouped_experts(x, top_vals, top_idx, gate_up, down, offset, act)
+        part = _grouped_experts(x, top_vals, top_idx, gate_up, down, offset, activation)
         return jax.lax.psum(part, TP_AXIS)
 
     experts = P(TP_AXIS, None, None)
@@ -198,10 +211,9 @@ def dense_moe(cfg: ModelConfig, impl: str) -> bool:
 def mlp_block(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
               mesh: Mesh | None) -> jax.Array:
     """The feed-forward of the Qwen and Kimi families: dense SwiGLU (``layer["mlp"]``), or the
-    MoE (``layer["moe"]``): grouped (``ragged_dot``, cost ~ T * k) with the Pallas kernels
-    (GPU/TPU), the dense form (every expert on every token) with the references: on CPU
-    ``ragged_dot`` lowers to a masked dense product that costs E / k times more
-    (``docs/model.md``). [deterministic] The dense form with either (``dense_moe``)."""
+    MoE (``layer["moe"]``): grouped (the grouped matmul kernel, cost ~ T * k) with the Pallas
+    kernels, the dense form (every expert on every token) with the references.
+    [deterministic] The dense form with either (``dense_moe``)."""
     if "moe" in layer:
         routing = {"groups": (cfg.n_group, cfg.topk_group), "scale": cfg.routed_scaling_factor,
                    "fixed_order": cfg.deterministic}
@@ -209,5 +221,5 @@ def mlp_block(cfg: ModelConfig, layer: dict[str, Any], x: jax.Array, impl: str,
             return moe_dense_reference(x, layer["moe"], cfg.num_experts_per_tok,
                                        cfg.norm_topk_prob, **routing)
         return moe_grouped(x, layer["moe"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                           mesh=mesh, **routing)
+                           mesh=mesh, impl=impl, **routing)
     return swiglu(x, layer["mlp"]["gate_up"], layer["mlp"]["down"])

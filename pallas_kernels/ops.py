@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels._common import interpret_default
 from pallas_kernels.gpu import causal_conv1d as _gpu_conv
 from pallas_kernels.gpu import gated_delta_rule as _gpu_gdr
+from pallas_kernels.gpu import grouped_matmul as _gpu_gmm
 from pallas_kernels.gpu import kda as _gpu_kda
 from pallas_kernels.gpu import mla_attention as _gpu_mla
 from pallas_kernels.gpu import paged_attention as _gpu_attn
@@ -51,12 +52,14 @@ from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode a
 from pallas_kernels.gpu.kda_decode import kda_decode as _gpu_kda_decode
 from pallas_kernels.reference import causal_conv1d as _conv_ref
 from pallas_kernels.reference import gated_delta_rule as _gdr_ref
+from pallas_kernels.reference import grouped_matmul as _gmm_ref
 from pallas_kernels.reference import kda as _kda_ref
 from pallas_kernels.reference import mla_attention as _mla_ref
 from pallas_kernels.reference import paged_attention as _attn_ref
 from pallas_kernels.reference import ssd as _ssd_ref
 from pallas_kernels.tpu import causal_conv1d as _conv
 from pallas_kernels.tpu import gated_delta_rule as _gdr
+from pallas_kernels.tpu import grouped_matmul as _tpu_gmm
 from pallas_kernels.tpu import kda as _tpu_kda
 from pallas_kernels.tpu import paged_attention as _attn
 from pallas_kernels.tpu import ssd as _tpu_ssd
@@ -83,7 +86,8 @@ FAMILIES = {
                            paged_attention=_attn.paged_attention,
                            mla_attention=_mla_ref.latent_as_kv(_attn.paged_attention),
                            kda_extend=_tpu_kda.kda_extend, kda_decode=_tpu_kda.kda_decode,
-                           ssd_extend=_tpu_ssd.ssd_extend, ssd_decode=_tpu_ssd.ssd_decode),
+                           ssd_extend=_tpu_ssd.ssd_extend, ssd_decode=_tpu_ssd.ssd_decode,
+                           grouped_moe=_tpu_gmm.grouped_moe),
     "gpu": SimpleNamespace(gdr_extend=_gpu_gdr.gated_delta_rule_extend,
                            gdr_decode=_gpu_gdr_decode,
                            conv_extend=_gpu_conv.causal_conv1d_extend,
@@ -91,7 +95,8 @@ FAMILIES = {
                            paged_attention=_gpu_attn.paged_attention,
                            mla_attention=_gpu_mla.mla_attention,
                            kda_extend=_gpu_kda.kda_extend, kda_decode=_gpu_kda_decode,
-                           ssd_extend=_gpu_ssd.ssd_extend, ssd_decode=_gpu_ssd.ssd_decode),
+                           ssd_extend=_gpu_ssd.ssd_extend, ssd_decode=_gpu_ssd.ssd_decode,
+                           grouped_moe=_gpu_gmm.grouped_moe),
 }
 
 
@@ -367,3 +372,36 @@ def ssd_decode(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot, *, impl: str,
     vec = P(TP_AXIS)
     specs = (_HEADS, _HEADS, vec, _HEADS, _HEADS, vec, _POOL_HEADS, _REP, _REP)
     return _on_mesh(fn, mesh, specs, (_HEADS, _POOL_HEADS))(*args)
+
+
+def grouped_moe(x, top_vals, top_idx, w_in, w_out, *, activation: str = "swiglu", impl: str,
+                mesh: Mesh | None = None):
+    """The routed experts of a top-k MoE, ``[T, H]`` float32: ``sum_j top_vals[t, j] *
+    act(x[t] @ w_in[e]) @ w_out[e]``, ``e = top_idx[t, j]``; work ``~ T * k``, never ``T * E``.
+
+    x ``[T, H]``; top_vals ``[T, k]``, top_idx ``[T, k]`` int32; w_in ``[E, H, N_in]`` (SwiGLU:
+    ``gate | up``, ``N_in = 2 I``; ``"relu2"``: ``N_in = I``), w_out ``[E, I, H]``. Kernels:
+    ``gpu/grouped_matmul.py`` (rows sorted by expert and padded to blocks by ``moe_align``,
+    gathered in the kernel, activation and routing weight fused), ``tpu/grouped_matmul.py``
+    (megablox ``gmm``). With ``mesh``: experts of w_in / w_out split over "tp" (tp divides E),
+    x and the routing replicated; each device computes its local experts' pairs and the partial
+    outputs are summed with one ``psum`` (the only op here with a collective inside).
+    """
+    args = _arrays((x, top_vals, top_idx, w_in, w_out))
+    fn = _kernel(impl, "grouped_moe") or _gmm_ref.grouped_moe_reference
+    if mesh is None:
+        return fn(*args, activation=activation)
+    if TP_AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} must include {TP_AXIS!r}")
+    tp = mesh.shape[TP_AXIS]
+    if args[3].shape[0] % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide num_experts ({args[3].shape[0]})")
+
+    def per_device(x, top_vals, top_idx, w_in, w_out):
+        offset = jax.lax.axis_index(TP_AXIS) * w_in.shape[0]
+        part = fn(x, top_vals, top_idx, w_in, w_out, offset, activation=activation)
+        return jax.lax.psum(part, TP_AXIS)
+
+    experts = P(TP_AXIS, None, None)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(_REP,) * 3 + (experts, experts),
+                         out_specs=_REP, check_vma=False)(*args)

@@ -29,7 +29,8 @@ def make_moe(num_tokens: int, num_experts: int, hidden: int, inter: int, dtype=j
     return x, p
 
 
-_grouped = jax.jit(moe_grouped, static_argnums=(2, 3))
+# the ragged_dot form; the grouped matmul kernel's form: tests/test_kernels_grouped_matmul.py
+_grouped = jax.jit(partial(moe_grouped, impl="ragged_dot"), static_argnums=(2, 3))
 _dense = jax.jit(moe_dense_reference, static_argnums=(2, 3))
 
 
@@ -81,6 +82,8 @@ def _largest_tensor(fn, num_experts: int, top_k: int, num_tokens: int = 256) -> 
     it stays one ``chlo.ragged_dot``.
     """
     x, p = make_moe(num_tokens, num_experts, 32, 16)
+    if fn is moe_grouped:  # the ragged_dot form (the kernel's own test: test_kernels_grouped_*)
+        fn = partial(fn, impl="ragged_dot")
     f = jax.jit(partial(fn, top_k=top_k, norm_topk_prob=True))
     text = f.trace(x, p).lower(lowering_platforms=("tpu",)).as_text()
     sizes = [int(np.prod([int(d) for d in s.split("x")]))
@@ -117,7 +120,7 @@ ps = {n: jax.device_put(v, NamedSharding(mesh, P("tp") if n in ("gate_up", "down
 want = np.asarray(moe_dense_reference(x, p, 2, True))
 result = {}
 for name, m in (("shard_map", mesh), ("gspmd", None)):
-    f = jax.jit(partial(moe_grouped, top_k=2, norm_topk_prob=True, mesh=m))
+    f = jax.jit(partial(moe_grouped, top_k=2, norm_topk_prob=True, mesh=m, impl="ragged_dot"))
     hlo = f.lower(x, ps).compile().as_text()
     err = float(np.max(np.abs(np.asarray(f(x, ps)) - want)) / np.max(np.abs(want)))
     result[name] = dict(err=err, all_gather=hlo.count("all-gather("),
