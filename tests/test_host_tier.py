@@ -126,3 +126,64 @@ def test_config_and_table_column():
     (host_hit,) = row["host"].values()
     assert host_hit > row["shared"]
     assert "+ host" in host_markdown([row])
+
+
+def _growing(num: int = 6, sends: int = 3, seed: int = 39) -> list[dict]:
+    """Each conversation re-sent ``sends`` times, every re-send the previous prompt + 23 new
+    tokens (not its output): only the ``prompt_len - 1`` state is on the next prompt's path."""
+    rng = np.random.default_rng(seed)
+    convs = [rng.integers(1, 500, int(rng.integers(60, 121))).tolist() for _ in range(num)]
+    out = []
+    for _ in range(sends):
+        out += [{"prompt": list(c), "output": rng.integers(1, 500, 6).tolist()} for c in convs]
+        convs = [c + rng.integers(1, 500, 23).tolist() for c in convs]
+    return out
+
+
+def test_speculative_states_are_demoted_when_the_host_has_room():
+    got = {}
+    for host_bytes in (0, 1_000_000):
+        budget = ByteBudget(20_000, PAGE_B * 4, SLOT_B)  # about one conversation on the device
+        cache = make_cache(True, budget.num_pages, budget.num_slots, 4, "lru", budget=budget)
+        tier = attach_host_tier(cache, host_bytes)
+        got[host_bytes] = replay(cache, as_requests(_growing()))
+        cache.check_integrity()
+    assert got[0]["cached_tokens"] == 0  # the bets were dropped: nothing to resume from
+    assert tier.counters["speculative_demotions"] > 0
+    tiered = got[1_000_000]
+    assert tiered["host_hit_tokens"] > 0 and tiered["cached_tokens"] == tiered["host_hit_tokens"]
+
+
+def test_a_speculative_demotion_never_pushes_out_a_firm_host_state():
+    budget = ByteBudget(100_000, PAGE_B, SLOT_B)
+    cache = make_cache(True, budget.num_pages, budget.num_slots, 1, "lru", budget=budget)
+    tier = attach_host_tier(cache, 4000)  # one firm state with the KV of its 31 tokens
+    a, b = list(range(1, 31)), list(range(100, 130))
+    serve(cache, a, output=(7, 8))
+    serve(cache, b, output=(7, 8))
+    assert tier.demote(cache.locate(a + [7])[2])  # firm: 31 pages + a state = 3,900 bytes
+    bet = cache.locate(b[:29])[2]  # b's prompt_len - 1 snapshot
+    assert bet.spec
+    assert not tier.demote(bet)  # 100 bytes free and no bet on the host to replace
+    assert tier.counters["demotions_skipped"] == 1
+    assert tier.residency(a + [7]) == "both" and tier.residency(b[:29]) == "device"
+    tier.check()
+
+
+def test_host_order_is_saving_per_byte():
+    """The host tree ranks by expected saving per byte: a deep state outlives a shallow one
+    demoted after it; the device's LRU would drop the deep one first."""
+    from mambacache.cache.eviction import make_policy
+
+    budget = ByteBudget(10**6, PAGE_B, SLOT_B)
+    host = make_cache(True, budget.num_pages, budget.num_slots, 1, "saving_per_byte",
+                      speculative_states=False, budget=budget)
+    deep, shallow = list(range(1, 201)), list(range(500, 505))
+    for prompt in (deep, shallow):
+        pages = host.alloc_pages(len(prompt))
+        host.insert(prompt, pages, {len(prompt): int(host.alloc_slots(1)[0])})
+    first = host.policy.byte_victims(host, 1)[0]
+    assert first.depth == len(shallow)
+    assert make_policy("lru").byte_victims(host, 1)[0].depth == len(deep)
+    with pytest.raises(ValueError, match="attn_quadratic_tokens"):
+        make_policy("saving_per_byte", attn_quadratic_tokens=0)

@@ -223,3 +223,37 @@ class FlopAwarePolicy(EvictionPolicy):
 
         return self._cached("bytes", cache, valid, lambda: [n for n in cache.lru_all if valid(n)],
                             lambda out: sum(_victim_bytes(n, pb, sb) for n in out) >= num_bytes)
+
+
+@register_policy("saving_per_byte")
+class SavingPerBytePolicy(LRUPolicy):
+    """The host tier's order (``cache/host_tier.py``): expected prefill saved per byte held.
+    A candidate's expected saving is the FLOPs a hit on it saves (``flop_aware``'s
+    ``d * (1 + d / attn_quadratic_tokens)`` at depth ``d``) times its chance of a hit, taken as
+    its recency rank ((i + 1) / n, the oldest of n least); divided by the bytes its eviction
+    frees (``_victim_bytes``); lowest first. Pages or slots alone (a host pool out of ids, not
+    bytes): least recently used first."""
+
+    def __init__(self, attn_quadratic_tokens: float = 8192.0):
+        if attn_quadratic_tokens <= 0:
+            raise ValueError(f"saving_per_byte needs attn_quadratic_tokens > 0, got "
+                             f"{attn_quadratic_tokens}")
+        self.attn_tokens = attn_quadratic_tokens
+
+    def byte_victims(self, cache: Any, num_bytes: int) -> list[Node]:
+        pb, sb = cache.budget.page_bytes, cache.budget.slot_bytes
+        cands = [(n, b) for n in cache.lru_all if (b := _victim_bytes(n, pb, sb))]
+        total = len(cands)
+
+        def score(i: int) -> float:
+            node, freed = cands[i]
+            d = float(node.depth) if node.slot is not None else 0.0
+            return (i + 1) / total * d * (1.0 + d / self.attn_tokens) / freed
+
+        out, covered = [], 0
+        for i in sorted(range(total), key=score):
+            out.append(cands[i][0])
+            covered += cands[i][1]
+            if covered >= num_bytes:
+                break
+        return out

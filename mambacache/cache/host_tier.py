@@ -9,12 +9,16 @@ on the host, or on both (a promoted prefix keeps its host copy: a later device e
 copies nothing). ``residency(tokens)`` answers for one prefix; ``check`` audits both trees.
 
 * **Demote, do not delete.** The device tree calls ``demote(node)`` (``evict_hook``) before it
-  drops a firm state (a leaf with its KV, or an internal state): the node's path tokens, the KV
+  drops a state (a leaf with its KV, or an internal state): the node's path tokens, the KV
   pages of the path not on the host yet and the state are copied into freshly allocated host
-  ids (host eviction by the host tree's policy, least recently used over the one host byte
-  pool), and the node is inserted into the host tree with that state. Speculative states are
-  bets and are dropped, as without a tier. No room (everything on the host locked, or the path
-  larger than the host budget): the node is deleted and ``demotions_skipped`` counts it.
+  ids (host eviction by the host tree's policy over the one host byte pool), and the node is
+  inserted into the host tree with that state. A speculative state (``prompt_len - 1``, a
+  checkpoint) is demoted too when the host has room for it (free bytes, or bytes of other
+  speculative host states: ``_room_for_bet``) and stays speculative there: the first to go,
+  until a promotion shows it pays. A re-sent prompt that extends the previous one (a client
+  editing or growing its context) can resume only from that state. No room (everything on the
+  host locked, or the path larger than the host budget): the node is deleted and
+  ``demotions_skipped`` counts it.
 * **Promote on match.** ``promote(prompt)`` before the device match: when the host holds a
   state deeper than the device's (``peek``), the device reserves a slot and the pages past the
   KV it shares, the host copy is scattered into them, and the prefix is inserted into the device
@@ -42,6 +46,8 @@ from mambacache.cache.budget import ByteBudget
 from mambacache.cache.node import Node, as_tokens, path_pages, path_root, path_tokens
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+#: the host tree's eviction order (``eviction.py``): expected saving per byte held
+HOST_EVICTION = "saving_per_byte"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Transfer:
 class HostTier:
     """A host tree behind a device tree; see the module docstring."""
 
-    def __init__(self, device: Any, budget: ByteBudget, eviction: str = "lru"):
+    def __init__(self, device: Any, budget: ByteBudget, eviction: str = HOST_EVICTION):
         from mambacache.cache.radix import MambaRadixCache
 
         if not isinstance(device, MambaRadixCache):
@@ -85,6 +91,8 @@ class HostTier:
         self.counters = {"host_hit_tokens": 0, "tokens_promoted": 0, "bytes_demoted": 0,
                          "bytes_promoted": 0, "demotions": 0, "promotions": 0,
                          "demotions_skipped": 0, "promotions_skipped": 0,
+                         # speculative states (prompt_len - 1, checkpoints) kept on the host
+                         "speculative_demotions": 0,
                          # a request left out of a step because its load had not landed
                          "load_wait_steps": 0}
         device.evict_hook = self.demote
@@ -100,10 +108,13 @@ class HostTier:
             self.counters["demotions_skipped"] += 1
             return False
         tokens, extra = path_tokens(node), path_root(node).extra_key
-        _, _, end = self.host.locate(tokens, extra)
+        shared, _, end = self.host.locate(tokens, extra)
         if end is not None and end.slot is not None:  # the host has it already (promoted)
             self.host.match_prefix(np.append(tokens, 0), extra)  # refresh its recency
             return True
+        if node.spec and not self._room_for_bet(depth // ps - shared // ps):
+            self.counters["demotions_skipped"] += 1
+            return False
         slot = self.host.alloc_slots(1)
         got = self._reserve(self.host, tokens, extra) if slot is not None else None
         if got is None:
@@ -114,11 +125,28 @@ class HostTier:
         shared, host_shared, new = got
         device_pages = path_pages(node)[shared // ps:]
         self._issue(Transfer(True, device_pages, new, int(node.slot), int(slot[0]), tokens))
+        if node.spec:  # a bet on the host too: it goes before any firm host state
+            self.host.spec_slots.add(int(slot[0]))
+            self.counters["speculative_demotions"] += 1
         self.host.insert(tokens, np.concatenate([host_shared, new]), {depth: int(slot[0])},
                          extra_key=extra)
         self.counters["demotions"] += 1
         self.counters["bytes_demoted"] += len(new) * b.page_bytes + b.slot_bytes
         return True
+
+    def has_room(self, tokens: int) -> bool:
+        """Whether the host's free bytes hold a state and the KV of ``tokens`` tokens now."""
+        b = self.budget
+        need = -(-tokens // self.device.page_size) * b.page_bytes + b.slot_bytes
+        return need <= self.host.free_bytes()
+
+    def _room_for_bet(self, new_pages: int) -> bool:
+        """Whether a speculative state and ``new_pages`` KV pages fit in the host's free bytes
+        plus those of its unlocked speculative states (a bet never pushes out a firm host
+        state)."""
+        b, host = self.budget, self.host
+        need = new_pages * b.page_bytes + b.slot_bytes
+        return need <= host.free_bytes() + host.evictable_speculative_slots() * b.slot_bytes
 
     @staticmethod
     def _reserve(tree: Any, tokens: np.ndarray, extra: Any):
@@ -243,7 +271,7 @@ class HostTier:
 
 
 def attach_host_tier(device: Any, host_memory_bytes: int, page_bytes: int = 0,
-                     slot_bytes: int = 0, eviction: str = "lru") -> HostTier | None:
+                     slot_bytes: int = 0, eviction: str = HOST_EVICTION) -> HostTier | None:
     """A ``HostTier`` of ``host_memory_bytes`` behind ``device``, pages and slots of the
     device's budget's sizes (else ``page_bytes`` / ``slot_bytes``); ``None`` when the size is 0
     or the device cache is not a radix tree. ``ValueError`` when no sizes are known."""

@@ -26,7 +26,8 @@ Semantics (and the fixes versus SGLang's ``MambaRadixCache``):
   removes a leaf whole.
 * Speculative states (``Node.spec``): the ``prompt_len - 1`` snapshot and periodic checkpoints
   get their slots from ``alloc_speculative_slots`` (free slots, or slots of other speculative
-  states: never by evicting a firm state), which marks the slots; ``insert`` turns a marked slot
+  states: never by evicting a firm state, unless a host tier with room keeps what the device
+  evicts), which marks the slots; ``insert`` turns a marked slot
   into a speculative state. They are evicted first (``eviction.py``) until a hit (``match_prefix``
   returns the node) or a divergence (a second child) promotes them. ``lru_spec`` orders them.
 * ``extra_key`` namespaces the tree: each key has its own root.
@@ -83,7 +84,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         self._locked_pages = 0  # pages of nodes with full_lock_ref > 0
         self._locked_slots = 0  # slots of nodes with mamba_lock_ref > 0
         self._locked_spec = 0  # of those, speculative ones
-        # called with a node whose firm state (and the KV of its path) eviction is about to
+        # called with a node whose state (and the KV of its path) eviction is about to
         # drop, before any id is freed: the host tier's demotion (``cache/host_tier.py``)
         self.evict_hook: Callable[[Node], None] | None = None
 
@@ -172,7 +173,7 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
         spec = self.evictable_speculative_slots()
         num = min(num, free + spec - self.slots.num_held)
         if num <= 0:
-            return _EMPTY
+            return self._slot_through_the_tier() if evict else _EMPTY
         short = min(num - free, num if evict is None else evict)
         if short > 0:
             self._evict_speculative(short)
@@ -181,6 +182,20 @@ class MambaRadixCache(TreeInsert, TreeEviction, CacheBase):
             self.spec_slots.update(got.tolist())
             if self.budget is not None:
                 self._note_peak()
+        return got
+
+    def _slot_through_the_tier(self) -> np.ndarray:
+        """One slot for the ``prompt_len - 1`` snapshot from evicting any unlocked state (by the
+        policy) when a host tier with room keeps what the device evicts (it is demoted, not
+        lost), under the same slack rule over every evictable state; else none."""
+        tier = self.host_tier
+        if tier is None or not tier.has_room(self.page_size) or \
+                self.evictable_slots() + self.slots.num_free - self.slots.num_held < 1:
+            return _EMPTY
+        got = self.alloc_slots(1)
+        if got is None:
+            return _EMPTY
+        self.spec_slots.update(got.tolist())
         return got
 
     def free_slots(self, ids) -> None:

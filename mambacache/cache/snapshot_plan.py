@@ -15,7 +15,8 @@ position is rounded DOWN to a page boundary (the tree keeps whole pages only).
   SPECULATIVE (nothing shows yet that they will be hit; in chat they never are): their slots come
   from ``cache.alloc_speculative_slots``: free slots (and, for ``prompt_len - 1`` only, the slot
   of the least recently used other speculative state), never by evicting a branch point or a
-  request end; the tree keeps them as speculative states, evicted first until a hit or a
+  request end (but with a host tier that has room, ``prompt_len - 1`` may: the state evicted
+  is demoted, not lost); the tree keeps them as speculative states, evicted first until a hit or a
   divergence promotes them. ``prompt_len - 1`` is served
   before the checkpoints, which go from the deepest down. A cache built with
   ``speculative_states=False`` plans neither (states only at branch points and request ends).

@@ -9,6 +9,10 @@ Speculative states (``Node.spec``) come before any policy: ``evict_slots`` first
 speculative states, least recently used first (``cache.lru_spec``), and only then asks the
 policy; KV eviction treats an unlocked speculative state like a tombstone (removing a leaf goes on
 upward through it), so a speculative state never keeps KV that the tree without it would free.
+
+Every state dropped by eviction, speculative or firm, goes to ``evict_hook`` first (the host
+tier's ``demote``: it keeps a copy when it has room, ``cache/host_tier.py``); ``evict_above``
+(ids a shrinking pool loses) does not demote.
 """
 
 from __future__ import annotations
@@ -129,8 +133,8 @@ class TreeEviction:
         return self.slots.num_free - before
 
     def _drop_state(self, node: Node, demote: bool = True) -> None:
-        if demote and self.evict_hook is not None and not node.spec:
-            self.evict_hook(node)  # a firm internal state: the host tier may keep a copy
+        if demote and self.evict_hook is not None:
+            self.evict_hook(node)  # an internal state: the host tier may keep a copy
         self.slots.release_one(node.slot)
         del self.lru_state[node]
         if node.spec:
@@ -159,7 +163,7 @@ class TreeEviction:
     def _remove_leaf(self, node: Node) -> int:
         """Remove an unlocked leaf whole, then childless tombstones upward; returns pages freed."""
         freed = 0
-        if self.evict_hook is not None and not node.spec:
+        if self.evict_hook is not None:
             self.evict_hook(node)  # the leaf's KV path and state, before any id is freed
         while True:
             parent = node.parent
