@@ -161,8 +161,10 @@ def test_device_report_folds_fractions_of_roofline(tmp_path):
                          dict(op="gdr_extend", impl="reference", compute_dtype="float32",
                               ms=3.0, bytes_per_s=1.2e12, flops_per_s=1e12)])
     (tmp_path / "kernels.json").write_text(json.dumps(kernels))
-    (tmp_path / "steps.json").write_text(json.dumps({"plan": 0, "bench_cache_on_off": 124}))
-    proc = subprocess.run([sys.executable, "scripts/device_report.py", str(tmp_path)],
+    (tmp_path / "steps.txt").write_text(
+        "plan 0 12\nbench_cache_on_off 124 90\nstep_bench missing 0\n")
+    (tmp_path / "agreement_bf16.json").write_text(json.dumps({"greedy": {"requests": 3}}))
+    proc = subprocess.run([sys.executable, "scripts/device_report.py", str(tmp_path), "gpu"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads((tmp_path / "device_check.json").read_text())
@@ -170,7 +172,10 @@ def test_device_report_folds_fractions_of_roofline(tmp_path):
     assert pallas["hbm_fraction"] == pytest.approx(0.5)
     assert pallas["flops_fraction"] == pytest.approx(0.1)
     assert ref["flops_fraction"] is None and ref["hbm_fraction"] == pytest.approx(0.25)
-    assert rep["plan"] == "missing" and rep["steps"]["bench_cache_on_off"] == 124
+    assert rep["plan"] == "missing" and rep["backend"] == "gpu"
+    assert rep["steps"]["bench_cache_on_off"] == {"status": 124, "seconds": 90}
+    assert rep["steps"]["step_bench"]["status"] == "missing"
+    assert rep["agreement_bf16"] == {"greedy": {"requests": 3}} and rep["step"] == "missing"
 
 
 def test_local_sizing_needs_a_device_that_reports_memory():
