@@ -84,3 +84,18 @@ def test_bad_prefill_is_named(capsys):
     with pytest.raises(SystemExit):
         step.parse_args(["--preset", "tiny_qwen3_5_moe", "--prefill", "4by512"])
     assert "--prefill must be NxL (e.g. 4x512), got '4by512'" in capsys.readouterr().err
+
+
+def test_moe_layer_flops_are_the_active_ones():
+    """The MoE alone: ``2 T (k / E experts + router + shared)`` FLOPs whatever T (all experts
+    touched or not); bytes count only the touched experts."""
+    shapes = param_shapes(CFG)["layers"][0]["moe"]
+    e, k = CFG.num_experts, CFG.num_experts_per_tok
+    experts = math.prod(shapes["gate_up"]) + math.prod(shapes["down"])
+    rest = sum(math.prod(s) for n, s in shapes.items() if n not in ("gate_up", "down"))
+    for tokens in (1, 1000):
+        cost = step_cost.moe_layer_cost(CFG, shapes, tokens, 2)
+        assert cost.flops == pytest.approx(2 * tokens * (experts * k / e + rest))
+        touched = step_cost.touched_experts(tokens, e, k)
+        want = 2 * (experts * touched / e + rest + 2 * tokens * CFG.hidden_size)
+        assert cost.weight_bytes == pytest.approx(want)

@@ -110,9 +110,9 @@ def moe_layer_cost(cfg: ModelConfig, layer_shapes: dict[str, Any], num_tokens: i
     nbytes, flops = 2.0 * num_tokens * cfg.hidden_size * itemsize, 0.0
     for name, shape in layer_shapes.items():
         size = math.prod(shape)
-        frac = touched / e if name in EXPERT_WEIGHTS and shape[0] == e else 1.0
-        nbytes += size * frac * itemsize
-        share = k / e if frac != 1.0 else 1.0
+        expert = name in EXPERT_WEIGHTS and len(shape) == 3 and shape[0] == e
+        nbytes += size * (touched / e if expert else 1.0) * itemsize
+        share = k / e if expert else 1.0
         flops += 2.0 * num_tokens * size * share if len(shape) >= 2 else 0.0
     return Cost(weight_bytes=nbytes, flops=flops)
 

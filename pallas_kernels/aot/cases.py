@@ -55,6 +55,10 @@ class Sizes:
     mla_heads: int = 4        # MLA: query heads, latent (kv_lora_rank) and rope widths of a row
     kv_lora_rank: int = 32
     qk_rope_dim: int = 8
+    moe_hidden: int = 64      # MoE (grouped matmul): hidden size, experts, top-k, expert width
+    moe_experts: int = 8
+    moe_top_k: int = 2
+    moe_inter: int = 32
     cases: tuple[str, ...] = ()  # case-name prefixes run at this size (empty: every case)
 
     def runs(self, case_name: str) -> bool:
@@ -74,12 +78,14 @@ SIZES: dict[str, Sizes] = {
                         value_heads=32, head_k=128, head_v=128, conv_kernel=4, q_heads=16,
                         kv_heads=2, head_dim=256, page_size=16, max_context=4096,
                         ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=8,
-                        mla_heads=32, kv_lora_rank=512, qk_rope_dim=64),
+                        mla_heads=32, kv_lora_rank=512, qk_rope_dim=64, moe_hidden=2048,
+                        moe_experts=512, moe_top_k=10, moe_inter=512),
     "qwen3_5": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64, key_heads=16,
                      value_heads=64, head_k=128, head_v=128, conv_kernel=4, q_heads=32,
                      kv_heads=2, head_dim=256, page_size=16, max_context=4096,
                      ssd_heads=128, ssd_head_dim=64, ssd_state=128, ssd_groups=8,
-                     mla_heads=32, kv_lora_rank=512, qk_rope_dim=64),
+                     mla_heads=32, kv_lora_rank=512, qk_rope_dim=64, moe_hidden=4096,
+                     moe_experts=512, moe_top_k=10, moe_inter=1024),
     # One family's real sizes: only the kernels that family runs (its mixer, the conv, its
     # attention). Nemotron-H-47B: SSD 256 heads of 64, state 256, 8 groups (conv x|B|C 20480);
     # 64 query / 8 KV heads of 128, context 8192.
@@ -100,8 +106,15 @@ SIZES: dict[str, Sizes] = {
     "kimi_linear": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64,
                          key_heads=32, value_heads=32, head_k=128, head_v=128, conv_kernel=4,
                          q_heads=32, kv_heads=32, head_dim=192, page_size=16, max_context=4096,
-                         mla_heads=32, kv_lora_rank=512, qk_rope_dim=64,
-                         cases=("kda", "conv", "mla")),
+                         mla_heads=32, kv_lora_rank=512, qk_rope_dim=64, moe_hidden=2304,
+                         moe_experts=256, moe_top_k=8, moe_inter=1024,
+                         cases=("kda", "conv", "mla", "grouped_moe")),
+    # Qwen3.5-35B-A3B's MoE alone: hidden 2048, 256 experts, top 8, expert width 512
+    "qwen3_5_35b": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64, key_heads=16,
+                         value_heads=32, head_k=128, head_v=128, conv_kernel=4, q_heads=16,
+                         kv_heads=2, head_dim=256, page_size=16, max_context=4096,
+                         moe_hidden=2048, moe_experts=256, moe_top_k=8, moe_inter=512,
+                         cases=("grouped_moe",)),
 }
 
 Builder = Callable[[Sizes, jnp.dtype], tuple[tuple, dict]]
@@ -234,8 +247,25 @@ def _ssd_decode(s: Sizes, dtype):
     return _ssd_inputs(s, dtype, b) + (sd((b,), I32), sd((b,), I32)), {}
 
 
+def _moe_inputs(s: Sizes, dtype, rows: int) -> tuple[tuple, dict]:
+    h, e, k, i = s.moe_hidden, s.moe_experts, s.moe_top_k, s.moe_inter
+    return ((sd((rows, h), dtype), sd((rows, k), dtype), sd((rows, k), I32),
+             sd((e, h, 2 * i), dtype), sd((e, i, h), dtype)), {})
+
+
+@case("grouped_moe")
+def _grouped_moe(s: Sizes, dtype):
+    return _moe_inputs(s, dtype, s.tokens)
+
+
+@case("grouped_moe_decode")
+def _grouped_moe_decode(s: Sizes, dtype):
+    return _moe_inputs(s, dtype, s.decode_batch)
+
+
 ALIASES = {"paged_attention_decode": "paged_attention",
-           "mla_attention_decode": "mla_attention"}  # extra cases of one family kernel
+           "mla_attention_decode": "mla_attention",
+           "grouped_moe_decode": "grouped_moe"}  # extra cases of one family kernel
 
 
 def kernel_name(case_name: str) -> str:

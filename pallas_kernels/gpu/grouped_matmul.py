@@ -70,9 +70,25 @@ def _idx(rows, cols):
 
 
 def _span(start, width: int, limit: int):
-    """Indices ``start + [0, width)`` clamped into ``[0, limit)`` and their mask."""
+    """Indices ``start + [0, width)`` and their mask, clamped into ``[0, limit)``; when the
+    tiles divide ``limit`` (``start`` is then a multiple of ``width``) plain indices and no
+    mask, so that Triton sees contiguous columns (vector loads, ``cp.async`` pipelining)."""
     i = start + jnp.arange(width, dtype=jnp.int32)
+    if limit % width == 0:
+        return i, None
     return jnp.minimum(i, limit - 1), i < limit
+
+
+def _mask(rows_ok, cols_ok, shape):
+    """``rows_ok [n] & cols_ok [w]`` broadcast to ``shape`` (either may be None: all true);
+    None when both are."""
+    if rows_ok is None and cols_ok is None:
+        return None
+    if rows_ok is None:
+        return jnp.broadcast_to(cols_ok[None, :], shape)
+    if cols_ok is None:
+        return jnp.broadcast_to(rows_ok[:, None], shape)
+    return rows_ok[:, None] & cols_ok[None, :]
 
 
 def _dot(a, b, exact: bool):
@@ -80,13 +96,15 @@ def _dot(a, b, exact: bool):
                                precision=_EXACT if exact else None)
 
 
-def _weight_tile(w_ref, e, k0, c0, blocks: GmmBlocks, width: int):
-    """``w[e, k0:k0+BK, c0:c0+BN]`` (columns below ``width``), 0 outside."""
+def _weight_tile(w_ref, e, k0, c0, c_off: int, blocks: GmmBlocks, width: int):
+    """``w[e, k0:k0+BK, c_off + c0:c_off + c0+BN]`` (columns ``c0 + j`` below ``width``), 0
+    outside."""
     rows, rok = _span(k0, blocks.block_k, w_ref.shape[1])
     cols, cok = _span(c0, blocks.block_n, width)
-    r, c = _idx(rows, cols)
-    mask = rok[:, None] & cok[None, :]
-    return pltr.load(w_ref.at[jnp.full_like(r, e), r, c], mask=mask, other=0)
+    r, c = _idx(rows, cols + c_off)
+    mask = _mask(rok, cok, r.shape)
+    return pltr.load(w_ref.at[jnp.full_like(r, e), r, c], mask=mask,
+                     other=None if mask is None else 0)
 
 
 def _gmm_up_kernel(expert_ref,  # [NB] i32 local expert of each row block (-1: unused)
@@ -112,11 +130,11 @@ def _gmm_up_kernel(expert_ref,  # [NB] i32 local expert of each row block (-1: u
             k0 = kb * blocks.block_k
             cols, kok = _span(k0, blocks.block_k, hidden)
             r, c = _idx(tok, cols)
-            xt = pltr.load(x_ref.at[r, c], mask=valid[:, None] & kok[None, :], other=0)
-            new = [_dot(xt, _weight_tile(w_ref, e, k0, n * bn, blocks, inter), exact)]
-            if activation == "swiglu":
-                new.append(_dot(xt, _weight_tile(w_ref, e, k0, inter + n * bn, blocks,
-                                                 2 * inter), exact))
+            xt = pltr.load(x_ref.at[r, c], mask=_mask(valid, kok, r.shape), other=0)
+            new = [_dot(xt, _weight_tile(w_ref, e, k0, n * bn, 0, blocks, inter), exact)]
+            if activation == "swiglu":   # the up columns: the same tile, I further
+                new.append(_dot(xt, _weight_tile(w_ref, e, k0, n * bn, inter, blocks, inter),
+                                exact))
             return tuple(a + d for a, d in zip(accs, new, strict=True))
 
         num = 2 if activation == "swiglu" else 1
@@ -156,9 +174,9 @@ def _gmm_down_kernel(expert_ref,  # [NB] i32 local expert of each row block (-1:
             k0 = kb * blocks.block_k
             cols, kok = _span(k0, blocks.block_k, inter)
             r, c = _idx(rows, cols)
-            ht = pltr.load(h_ref.at[r, c], mask=jnp.broadcast_to(kok[None, :], r.shape),
-                           other=0)
-            return acc + _dot(ht, _weight_tile(w_ref, e, k0, n * bn, blocks, hidden), exact)
+            mask = _mask(None, kok, r.shape)
+            ht = pltr.load(h_ref.at[r, c], mask=mask, other=None if mask is None else 0)
+            return acc + _dot(ht, _weight_tile(w_ref, e, k0, n * bn, 0, blocks, hidden), exact)
 
         acc = jax.lax.fori_loop(0, pl.cdiv(inter, blocks.block_k), step,
                                 jnp.zeros((bm, bn), _F32))
