@@ -7,6 +7,7 @@ Each TOML section maps one-to-one onto a dataclass below (``[model]`` -> ``Model
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tomllib
 from collections.abc import Mapping
@@ -43,6 +44,12 @@ class ModelSection:
     the Pallas kernels (``"pallas"``, or ``"auto"`` on GPU / TPU) prefills run on a chunk grid
     (``engine.prefill_grid``: hits at grid multiples, no speculative decoding, a chunked
     prefill of at least the grid).
+
+    ``context_length`` (SGLang's ``--context-length``, vLLM's ``--max-model-len``; 0 = the
+    model's ``max_position_embeddings``): the longest request (prompt + ``max_new_tokens``) the
+    engine takes (longer: a ``ValueError`` / HTTP 400 naming both numbers), the longest sequence
+    the warm-up compiles for and the one request the cache budget must hold
+    (``python -m mambacache.plan``). At most the model's own.
     """
 
     path: str | None = None
@@ -52,8 +59,11 @@ class ModelSection:
     kernels: str = "auto"
     init_branch_scale: float = 1.0
     deterministic: bool = False
+    context_length: int = 0
 
     def __post_init__(self):
+        _require(type(self.context_length) is int and self.context_length >= 0,
+                 f"model.context_length must be an int >= 0, got {self.context_length!r}")
         _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(
             self.kernels in KERNELS, f"model.kernels must be one of {KERNELS}, got {self.kernels!r}"
@@ -68,6 +78,22 @@ class ModelSection:
                  f"model.deterministic must be a bool, got {self.deterministic!r}")
         if self.path == "":
             object.__setattr__(self, "path", None)
+
+    def capped(self, model_cfg: Any) -> Any:
+        """``model_cfg`` (any dataclass or object with ``max_position_embeddings``) with its
+        context capped at ``context_length``; itself when 0 or equal. ``ValueError`` when the
+        cap exceeds the model's context."""
+        context = int(model_cfg.max_position_embeddings)
+        if not self.context_length or self.context_length == context:
+            return model_cfg
+        _require(self.context_length <= context,
+                 f"model.context_length ({self.context_length}) exceeds the model's context "
+                 f"length {context} (max_position_embeddings)")
+        if dataclasses.is_dataclass(model_cfg):
+            return dataclasses.replace(model_cfg, max_position_embeddings=self.context_length)
+        capped = copy.copy(model_cfg)  # the shadow runner's plain config object
+        capped.max_position_embeddings = self.context_length
+        return capped
 
 
 @dataclasses.dataclass(frozen=True)

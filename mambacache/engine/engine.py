@@ -79,7 +79,7 @@ class Engine:
         self.cfg = cfg = cfg if cfg is not None else EngineConfig()
         self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
         if runner is not None:
-            self.model_cfg, self.runner = runner.model_cfg, runner
+            self.model_cfg, self.runner = cfg.model.capped(runner.model_cfg), runner
             if cfg.cache.has_budget:  # [issue 25] a byte budget: derive the pools
                 from mambacache.engine.pools import size_pools
 
@@ -89,6 +89,7 @@ class Engine:
             if cfg.model.deterministic != self.model_cfg.deterministic:  # [deterministic]
                 self.model_cfg = dataclasses.replace(self.model_cfg,
                                                      deterministic=cfg.model.deterministic)
+            self.model_cfg = cfg.model.capped(self.model_cfg)  # model.context_length
             self.runner = self._model_runner(params)
             cfg = self.cfg  # [issue 25] pools sized from the byte budget in _model_runner
         if cfg.cache.host_memory_bytes and cfg.cache.enable:  # [host tier] its byte units

@@ -13,7 +13,9 @@ The cache gets ``cache.memory_bytes``, or ``cache.memory_fraction`` (0.9 when th
 no budget) of what is left after the weights and the step, and ``cache/budget.py`` turns it
 into pool sizes (KV and states share the bytes). A plan whose weights and step exceed the HBM,
 or whose budget cannot hold one ``context_len`` request plus ``max_running_requests`` running
-slots, does not fit: ``fits`` false, the reason with its numbers, exit status 1.
+slots, does not fit: ``fits`` false, the reason with its numbers, the longest context that
+would fit (``longest_context``: set it as ``model.context_length``), exit status 1. The context
+is ``--context-len``, else ``model.context_length``, else the model's.
 
 Roofline: from ``cost_analysis()`` of the compiled programs (FLOPs and bytes accessed per device)
 and the chip's peak FLOPs / HBM bandwidth of the dtype: a compiler estimate, not a measurement;
@@ -87,7 +89,7 @@ def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) ->
 
     topo = local_topology() if topology == "local" else parse_topology(topology)
     tp = cfg.parallel.tensor_parallel
-    model_cfg = load_model_config(cfg)
+    model_cfg = cfg.model.capped(load_model_config(cfg))  # model.context_length
     context = int(context_len or model_cfg.max_position_embeddings)
     model_cfg = dataclasses.replace(model_cfg, max_position_embeddings=context)
     run_cfg = replicate_kv_heads(model_cfg, tp)
@@ -108,8 +110,12 @@ def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) ->
     head = f"{cfg.model.path or cfg.model.preset} in {cfg.model.dtype} at TP {tp} on {topology}"
     budget, slots, tokens, reason = _pools(cfg, head, topo.chip.hbm_bytes, weight_bytes,
                                            step_bytes, slot_bytes, page_bytes, context)
+    longest = context
     if source.startswith("refused"):
-        reason = f"{head} does not fit: the compiler {source}"
+        reason, longest = f"{head} does not fit: the compiler {source}", 0
+    elif reason:
+        longest = longest_context(cfg, head, topo.chip.hbm_bytes, weight_bytes, step_bytes,
+                                  slot_bytes, page_bytes, context)
     out = dict(
         model=cfg.model.path or cfg.model.preset, family=model_cfg.family, topology=topology,
         chip=topo.chip.name, devices=topo.num_devices, tensor_parallel=tp, dtype=cfg.model.dtype,
@@ -120,7 +126,8 @@ def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) ->
         memory_fraction=sizing.memory_fraction(cfg), cache_budget_bytes=budget,
         state_slot_bytes=slot_bytes, kv_page_bytes=page_bytes,
         kv_token_bytes=page_bytes / page_size, num_mamba_slots=slots, num_kv_tokens=tokens,
-        context_len=context, max_running_requests=cfg.scheduler.max_running_requests,
+        context_len=context, longest_context=longest,
+        max_running_requests=cfg.scheduler.max_running_requests,
         page_size=page_size, programs=steps, roofline=roofline(steps, topo, cfg.model.dtype))
     return out | {"fits": not reason, "reason": reason}
 
@@ -167,6 +174,27 @@ def _pools(cfg: EngineConfig, head: str, hbm: int, weights: int, step: int, slot
                               f"{budget / GB:.2f} GB) exceed the {left / GB:.2f} GB left after "
                               f"weights and step")
     return budget, sized.num_mamba_slots, sized.num_kv_tokens, ""
+
+
+def longest_context(cfg: EngineConfig, head: str, hbm: int, weights: int, step: int,
+                    slot_bytes: int, page_bytes: int, context: int) -> int:
+    """The longest context (a multiple of ``cache.page_size``, below ``context``) whose one
+    request plus ``max_running_requests`` running slots the budget holds (``_pools``), 0 when
+    none does. The step's temporaries stay those compiled for ``context`` (its page tables
+    are the widest), so the answer errs short."""
+    ps = cfg.cache.page_size
+
+    def fits(pages: int) -> bool:
+        return not _pools(cfg, head, hbm, weights, step, slot_bytes, page_bytes, pages * ps)[3]
+
+    low, high = 0, max(-(-context // ps) - 1, 0)  # low fits (or is 0), high is the search top
+    if not fits(1):
+        return 0
+    low = 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low * ps
 
 
 def _compiled_or_refused(model_cfg, cfg, topo, shapes, params, mesh, dtype
@@ -260,6 +288,10 @@ def format_table(p: dict[str, Any]) -> str:
             rows.append((f"{name} (estimate)", f"{r['seconds'] * 1e3:.2f} ms/step, "
                                                f"{r['tokens_per_s']:,.0f} tokens/s"))
     rows.append(("fits", "yes" if p["fits"] else f"NO: {p['reason']}"))
+    if not p["fits"]:
+        longest = p.get("longest_context", 0)
+        rows.append(("longest context", f"{longest:,} tokens fit (--set model.context_length="
+                                        f"{longest})" if longest else "none fits"))
     return "\n".join(f"{k:18s} {v}" for k, v in rows)
 
 
