@@ -146,8 +146,8 @@ class SpeculativeConfig:
     accepted ``a`` (k at most), so drafts that keep missing cost one extra token, not k.
     ``topk`` (1..``MAX_DRAFT_BRANCHES``): branches of a draft tree, each with its own first
     draft token and at most k drafts (its depth); 1 is the chain. A tree verifies up to
-    ``topk * (k + 1)`` tokens per request per step, one row per branch, and needs
-    ``cache.page_size`` 1 (``EngineConfig`` checks)."""
+    ``topk * (k + 1)`` tokens per request per step, one row per branch (any
+    ``cache.page_size``: a branch's first page gets a copy of the tokens before it)."""
 
     method: str = "none"
     num_draft_tokens: int = 4
@@ -235,14 +235,6 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
-
-    def __post_init__(self):
-        spec = self.speculative
-        # a tree's accepted branch hands its pages to the request token by token (SGLang has
-        # the same limit for top-k > 1 on hybrids)
-        _require(not spec.enabled or spec.topk == 1 or self.cache.page_size == 1,
-                 f"speculative.topk ({spec.topk}) > 1 needs cache.page_size 1, got "
-                 f"{self.cache.page_size}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:

@@ -7,8 +7,9 @@ A variant ``KxT`` is ``speculative.num_draft_tokens = K`` (each branch's depth) 
 ``speculative.topk = T``: ``T * (K + 1)`` tokens verified per request per step (its verify
 width; a chain is ``T = 1``). Each variant runs the config's workload once, side by side with
 ``speculative.method = "none"``, and reports ``spec_tokens_per_verify`` (tokens emitted per
-request per verify), ``spec_verify_width`` (tokens verified per request per verify),
-``spec_accept_rate``, steps, and whether every output equals the run without speculation
+request per verify: one per request and step, a tree's rows together), ``spec_verify_width``
+(tokens verified per request per verify), ``spec_accept_rate``, ``spec_verify_rows`` (rows: one
+per branch), steps, and whether every output equals the run without speculation
 (tokens identical, largest logprob difference).
 
 ``[workload] kind = "branching_text"`` (this script's, not the bench CLI's) replays a trace on
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 KEYS = ("spec_tokens_per_verify", "spec_verify_width", "spec_accept_rate", "spec_verify_steps",
-        "num_steps")
+        "spec_verify_rows", "num_steps")
 
 
 def branching_trace(w: dict[str, Any], seed: int) -> list[dict[str, list[int]]]:
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["variants"][v] = row
         print(f"{v:>6}  width {row['width']:3d}  tokens/verify {row['spec_tokens_per_verify']:.2f}"
               f"  verified/verify {row['spec_verify_width']:.2f}  accept "
-              f"{row['spec_accept_rate']:.3f}  steps {row['num_steps']}  same "
+              f"{row['spec_accept_rate']:.3f}  verifies {row['spec_verify_steps']}  rows "
+              f"{row['spec_verify_rows']}  steps {row['num_steps']}  same "
               f"{row['same_tokens']} (logprob diff {row['max_logprob_diff']:.1e})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

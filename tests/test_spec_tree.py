@@ -34,9 +34,8 @@ def _shadow(runner: dict | None = None, **overrides):
 def test_config_limits():
     cfg = mc.EngineConfig()
     assert cfg.speculative.topk == 1
-    with pytest.raises(ValueError, match=r"topk \(4\) > 1 needs cache.page_size 1, got 4"):
-        cfg.replace(**{"speculative.method": "ngram", "speculative.topk": 4,
-                       "cache.page_size": 4})
+    # any page size (issue 39: page size 1 was required)
+    cfg.replace(**{"speculative.method": "ngram", "speculative.topk": 4, "cache.page_size": 4})
     with pytest.raises(ValueError, match=r"speculative.topk \(9\) exceeds 8"):
         cfg.replace(**{"speculative.topk": 9})
     with pytest.raises(ValueError, match="speculative.topk"):
@@ -62,12 +61,14 @@ def test_ngram_tree_branches():
     assert d.propose_tree_for(_Req([1, 2, 3]), 2, 4) == []
 
 
-@pytest.mark.parametrize("cache", [True, False])
-def test_shadow_same_outputs_as_none(cache):
+@pytest.mark.parametrize("cache,page", [(True, 1), (False, 1), (True, 4), (False, 3)])
+def test_shadow_same_outputs_as_none(cache, page):
+    """Page size > 1: a branch starting inside a page reads a copy of that page's tokens before
+    its start (``Runner.copy_pages``; the oracle checks every KV read against its path)."""
     prompts = random_prompts(VOCAB, 6)
-    kw = {"cache.page_size": 1, "cache.enable": cache}
+    kw = {"cache.page_size": page, "cache.enable": cache}
     ref = greedy_outputs(shadow_engine({"markov": 1, "vocab_size": VOCAB}, **kw), prompts, 40)
-    eng = _shadow(**{"cache.enable": cache})
+    eng = _shadow(**kw)
     assert greedy_outputs(eng, prompts, 40) == ref
     m = eng.metrics()
     assert m["spec_verify_rows"] > m["spec_verify_steps"] > 0, m  # trees ran
@@ -75,6 +76,34 @@ def test_shadow_same_outputs_as_none(cache):
     assert m["spec_tokens_per_verify"] > 1.5, m
     eng.check_integrity()
     assert eng.scheduler.speculative.free_lanes() == list(range(8))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_tree_accepts_at_least_its_chain(monkeypatch, page):
+    """Issue 39: on every step a tree runs, its first branch is the chain's drafts (the
+    drafter's ``propose`` over the same tokens, the same length) and the tree accepts at least
+    what that chain would (branch 0's row samples the chain row's tokens)."""
+    from mambacache.engine.speculative import SpecDecoder, accepted_drafts
+
+    seen = []
+    orig = SpecDecoder.choose_branch
+
+    def choose(self, s, tokens):
+        chain = self.drafter.propose(s.req.token_ids, len(s.drafts))
+        win = orig(self, s, tokens)
+        seen.append((tuple(chain) == s.drafts, accepted_drafts(s.drafts, tokens[0]),
+                     accepted_drafts(win.drafts, tokens[win.branch])))
+        return win
+
+    monkeypatch.setattr(SpecDecoder, "choose_branch", choose)
+    prompts = random_prompts(VOCAB, 6)
+    eng = _shadow(**{"cache.page_size": page})
+    assert greedy_outputs(eng, prompts, 40) == greedy_outputs(
+        shadow_engine({"markov": 1, "vocab_size": VOCAB}, **{"cache.page_size": page}),
+        prompts, 40)
+    assert seen and all(same for same, _, _ in seen), seen
+    assert all(tree >= chain for _, chain, tree in seen), seen
+    assert any(tree > chain for _, chain, tree in seen), seen
 
 
 def test_shadow_followup_hits_verified_prefix():
@@ -136,6 +165,24 @@ def test_planted_bug_winner_pages_not_adopted(monkeypatch):
         _shadow().generate(random_prompts(VOCAB, 6), greedy(40))
 
 
+def test_planted_bug_branch_page_not_copied(monkeypatch):
+    """Page size 4: the oracle catches a branch row whose first page lacks the tokens before
+    its start (the copy skipped); with the copy, the same run is exact and copies happened."""
+    from mambacache.engine.shadow_runner import ShadowRunner
+
+    copied = []
+    orig = ShadowRunner.copy_pages
+    monkeypatch.setattr(ShadowRunner, "copy_pages",
+                        lambda self, pairs: (copied.extend(pairs), orig(self, pairs)))
+    prompts = random_prompts(VOCAB, 6)
+    assert greedy_outputs(_shadow(**{"cache.page_size": 4}), prompts, 40) == greedy_outputs(
+        shadow_engine({"markov": 1, "vocab_size": VOCAB}, **{"cache.page_size": 4}), prompts, 40)
+    assert copied
+    monkeypatch.setattr(ShadowRunner, "copy_pages", lambda self, pairs: None)
+    with pytest.raises(DataflowError):
+        _shadow(**{"cache.page_size": 4}).generate(prompts, greedy(40))
+
+
 # ---- the real tiny model -----------------------------------------------------------------
 K = 3
 NEW = 12
@@ -170,7 +217,9 @@ class CheatTree(Drafter):
 @pytest.mark.parametrize("sampled,overrides", [
     (False, {"scheduler.chunked_prefill_size": 13}),
     (True, {"cache.num_kv_tokens": 60, "cache.num_mamba_slots": 3}),
-], ids=["greedy-chunk13", "sampled-preempt"])
+    (False, {"cache.page_size": 4, "scheduler.chunked_prefill_size": 13}),
+    (True, {"cache.page_size": 4, "cache.num_kv_tokens": 48, "cache.num_mamba_slots": 3}),
+], ids=["greedy-chunk13", "sampled-preempt", "greedy-page4", "sampled-page4-preempt"])
 def test_model_same_as_none(sampled, overrides):
     ref = make_engine(**{"cache.enable": False}).generate(spec_prompts(), spec_params(sampled, NEW))
     eng = make_engine(**{**TREE, "speculative.topk": 3, "speculative.num_draft_tokens": K,
@@ -186,6 +235,42 @@ def test_model_same_as_none(sampled, overrides):
     if "cache.num_kv_tokens" in overrides:
         assert m["preemptions"] > 0, m
     eng.check_integrity()
+
+
+@pytest.mark.slow  # ~2 min on 2 busy cores (a second model, page-4 programs)
+def test_model_tree_page4_as_chain():
+    """Issue 39 item 3 at page size 4: prompt lookup on the branchy tiny model (layers scaled
+    by 0.2: its greedy output cycles), trees (top-k 4) give the tokens and logprobs of the
+    chain and of no speculation, and at least the chain's tokens per verify."""
+    from mambacache.engine.engine import Engine, load_model
+
+    base = mc.EngineConfig().replace(**{"model.init_branch_scale": 0.2, "cache.page_size": 4,
+                                        "scheduler.chunked_prefill_size": 13,
+                                        "model.kernels": "reference"})
+    model = load_model(base)
+    rng = np.random.default_rng(5)
+    seeds = [rng.integers(3, 300, 6).tolist() for _ in range(3)]
+    # the next token depends mostly on the last one: ``a`` (what follows each seed prompt) is
+    # planted once, then twice with other continuations, so prompt lookup of ``a[0]`` proposes
+    # a tree whose later branch is the path the model takes
+    prompts = []
+    for p, o in zip(seeds, Engine(base, model=model).generate(
+            seeds, mc.SamplingParams(max_new_tokens=4)), strict=True):
+        a, z = o.output_token_ids, rng.integers(3, 300, (2, 3)).tolist()
+        prompts.append([1, 2] + a + [4, 5, a[0]] + z[0] + [6, a[0]] + z[1] + [7] + p)
+    sp = mc.SamplingParams(max_new_tokens=24)
+    runs = {}
+    for name, over in (("none", {}), ("chain", {"speculative.topk": 1}),
+                       ("tree", {"speculative.topk": 4})):
+        spec = {"speculative.method": "ngram", "speculative.num_draft_tokens": 4} if over else {}
+        eng = Engine(base.replace(**spec, **over), model=model)
+        runs[name] = eng.generate(prompts, sp), eng.metrics()
+        eng.check_integrity()
+    assert_same_outputs(runs["tree"][0], runs["none"][0], atol=1e-4)
+    assert_same_outputs(runs["tree"][0], runs["chain"][0], atol=1e-4)
+    tree, chain = runs["tree"][1], runs["chain"][1]
+    assert tree["spec_verify_rows"] > tree["spec_verify_steps"] > 0, tree
+    assert tree["spec_tokens_per_verify"] >= chain["spec_tokens_per_verify"] > 1.5, (tree, chain)
 
 
 _TP_WORKER = """

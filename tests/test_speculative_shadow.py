@@ -165,7 +165,8 @@ def _fuzz(seed: int) -> None:
                      "cache.enable": bool(rng.random() < 0.8),
                      "scheduler.chunked_prefill_size": int(rng.integers(1, 20)),
                      "scheduler.max_running_requests": int(rng.integers(1, 6)),
-                     "speculative.num_draft_tokens": int(rng.integers(1, 7))})
+                     "speculative.num_draft_tokens": int(rng.integers(1, 7)),
+                     "speculative.topk": int(rng.choice([1, 1, 2, 4]))})  # trees, any page
     outs = eng.generate(prompts, greedy(n))
     for out in outs:
         if out.finish_reason == "length":

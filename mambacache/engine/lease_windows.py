@@ -108,9 +108,9 @@ class LeaseWindows:
         return lane
 
     def take_branch_pages(self, n: int) -> np.ndarray | None:
-        """[speculative tree, page size 1] ``n`` pages for one more draft branch (its tokens
-        from the request's next position on), or None if fewer are free (drafts do not evict
-        the cache for a branch). Mutates ``branch_page_ids`` and the page
+        """[speculative tree] ``n`` pages for one more draft branch (the pages its tokens fall
+        in, from the page of the request's next position on), or None if fewer are free
+        (drafts do not evict the cache for a branch). Mutates ``branch_page_ids`` and the page
         allocator."""
         if self._mgr.cache.pages.num_free < n:
             return None
@@ -122,19 +122,21 @@ class LeaseWindows:
         return pages
 
     def settle_branches(self, start: int, winner: int) -> None:
-        """[speculative tree, page size 1] The tree verified from position ``start`` is read:
-        branch ``winner`` (0: the lease's own pages; ``b`` >= 1: ``branch_page_ids[b - 1]``)
+        """[speculative tree] The tree verified from position ``start`` is read: branch
+        ``winner`` (0: the lease's own pages; ``b`` >= 1: ``branch_page_ids[b - 1]``, from the
+        page of ``start`` on, its first page holding a copy of the tokens before ``start``)
         holds the accepted tokens' KV. A branch winner's pages take the place of the own pages
-        at ``[start, start + len)``; every page of the other branches (and the replaced ones)
+        from the page of ``start`` on; every page of the other branches (and the replaced ones)
         is freed. Mutates ``own_page_ids``, ``branch_page_ids`` and the page allocator."""
         branches, self.branch_page_ids = self.branch_page_ids, ()
         drop = [p for b, p in enumerate(branches, 1) if b != winner]
         if winner:
             pages = branches[winner - 1]
             own = np.array(self.own_page_ids, np.int32)
-            i = start - len(self.cached_page_ids)
+            i = start // self._mgr.page_size - len(self.cached_page_ids)
             if i < 0 or i + len(pages) > len(own):
-                raise AssertionError(f"branch pages for [{start}, {start + len(pages)}) outside "
+                first = start // self._mgr.page_size
+                raise AssertionError(f"branch pages [{first}, {first + len(pages)}) outside "
                                      f"the own pages [{len(self.cached_page_ids)}, "
                                      f"{len(self.cached_page_ids) + len(own)})")
             drop.append(own[i:i + len(pages)].copy())

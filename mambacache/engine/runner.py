@@ -35,7 +35,12 @@ from mambacache.engine.multi_step import MultiStepRows, jitted_multi_step
 from mambacache.engine.pools import PoolState, pool_fields, resize_layerwise
 from mambacache.engine.sampling import SamplingBatch
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec, is_decode_step, logit_rows
-from mambacache.engine.step_program import copy_slots_fn, jitted_sharded_step, jitted_step
+from mambacache.engine.step_program import (
+    copy_pages_fn,
+    copy_slots_fn,
+    jitted_sharded_step,
+    jitted_step,
+)
 
 __all__ = ["MIN_PAGE_BUCKET", "MIN_SEQ_BUCKET", "MIN_SNAPSHOT_BUCKET", "MIN_TOKEN_BUCKET",
            "ModelRunner", "bucket"]
@@ -259,6 +264,20 @@ class ModelRunner:
             if self.host_pools is not None:  # [host tier] demotions read before the copy writes
                 self.host_pools.flush(self.pools)
             self.pools = copy_slots_fn()(self.pools, idx[0], idx[1])
+
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """[speculative tree, page size > 1] ``pages[dst] <- pages[src]`` for every (src, dst)
+        KV page pair, K and V of every attention layer (a branch row's first page gets the
+        verified tokens before its start: ``engine/spec_tree.py``). Dispatched like a step."""
+        width = bucket(len(pairs), self.max_seqs)
+        idx = np.zeros((2, width), np.int32)
+        if pairs:
+            idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+        counter = self.compiles if pairs else self.warm_compiles  # no pairs: the warm-up's
+        with counter.track():
+            if self.host_pools is not None:  # [host tier] demotions read before the copy writes
+                self.host_pools.flush(self.pools)
+            self.pools = copy_pages_fn()(self.pools, idx[0], idx[1])
 
     def transfer(self, t: Any, in_use: Any = None) -> None:
         """[host tier] Issue one ``cache.host_tier.Transfer`` (``engine/host_pools.py``): a

@@ -38,6 +38,9 @@ class Runner(Protocol):
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """[speculative tree, page size > 1] KV page ``dst`` becomes a copy of page ``src``."""
+
     def transfer(self, t: Any, in_use: Any = None) -> None:
         """[host tier] Issue a ``cache.host_tier.Transfer`` between device and host pools."""
 

@@ -66,6 +66,13 @@ class ShadowPools:
         for src, dst in pairs:
             self.slot_len[dst], self.slot_key[dst] = self.slot_len[src], self.slot_key[src]
 
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """``ModelRunner.copy_pages``: the KV at page ``dst`` becomes the one at ``src``."""
+        ps = self.page_size
+        for src, dst in pairs:
+            d, s = slice(dst * ps, (dst + 1) * ps), slice(src * ps, (src + 1) * ps)
+            self.kv_len[d], self.kv_key[d] = self.kv_len[s], self.kv_key[s]
+
     def check_tree(self, cache: CacheBase) -> None:
         """Raise ``DataflowError`` unless every state slot and KV page the radix tree holds is
         the state / KV of the tree's token path to it (no draft token, no stale row); the same

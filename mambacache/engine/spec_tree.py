@@ -10,10 +10,14 @@ verified as a row of its own, ``[last token, its drafts]``, the plain verify row
     after each of its offsets to its own targets, consecutive runs of the lane's pool (running
     slot + scratch lane minus the slot read), so no slot is written twice;
   * branch 0 writes its KV into the request's own pages, branch ``b`` >= 1 into pages of its
-    own (``Lease.take_branch_pages``) for positions ``start..start + m_b``; they read the
-    request's pages below ``start`` only. Page size 1 (``EngineConfig`` checks), so the
-    accepted branch's pages take the place of the request's own position by position
-    (``Lease.settle_branches``): no KV copy;
+    own (``Lease.take_branch_pages``): those of positions ``start..start + m_b``, from the page
+    of ``start`` on (``row_pages``). A row reads the request's pages below that page only; the
+    tokens of that page before ``start`` (page size > 1) are copied into the branch's first
+    page before the step (``page_copies``, ``Runner.copy_pages``: one page per branch, only
+    when ``start`` is inside a page). The accepted branch's pages take the place of the
+    request's own from that page on (``Lease.settle_branches``): no copy after the read;
+  * page size > 1: page-boundary snapshots inside the window are branch 0's (planned like a
+    chain's, written by its row only), kept if it wins (``SpecDecoder.choose_branch``);
   * the cost: the root token and any prefix branches share are computed once per branch (a
     tree verifies ``sum(m_b + 1)`` tokens per request: ``spec_verify_width``).
 
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
     from mambacache.engine.request import Request
 
 
-def plan_tree(req: Request, tree: list[list[int]], mtp_room: int,
+def plan_tree(req: Request, tree: list[list[int]], mtp_room: int, page_size: int,
               take_lane: Callable[[], None]) -> ScheduledSeq | None:
     """The rows of ``tree`` from ``req``'s next position: its pages grown to the deepest branch
     (+ ``mtp_room`` for the MTP head's chained K/V, if free), a lane taken (``take_lane``) and
@@ -57,14 +61,16 @@ def plan_tree(req: Request, tree: list[list[int]], mtp_room: int,
         lease.grow(start + 1 + depth + mtp_room)
     if not lease.grow(start + 1 + depth):
         return None
+    ps = page_size
     pages = []
-    for drafts in tree[1:]:
-        got = lease.take_branch_pages(len(drafts) + 1)
+    for drafts in tree[1:]:  # the pages of positions start..start + m_b
+        got = lease.take_branch_pages(-(-(start + len(drafts) + 1) // ps) - start // ps)
         if got is None:
             break
         pages.append(got)
     if not pages:
         return None
+    lease.plan_window_snapshots(start + 1, start + len(tree[0]) + 2)  # [page > 1] branch 0's
     take_lane()
     pool = [s for s in (lease.running_slot, *lease.scratch_slots) if s != lease.state_slot]
     return tree_rows(req, start, tree, pool, pages)
@@ -92,11 +98,25 @@ def tree_rows(req: Request, start: int, tree: Sequence[Sequence[int]],
     return rows[0]
 
 
-def row_pages(s: ScheduledSeq) -> np.ndarray:
-    """The page ids a tree row runs on: the request's below ``start``, then its branch's."""
+def row_pages(s: ScheduledSeq, page_size: int) -> np.ndarray:
+    """The page ids a tree row runs on: the request's below the page of ``start``, then its
+    branch's."""
     if s.branch_pages is None:
         return s.req.lease.page_ids
-    return np.concatenate([s.req.lease.page_ids[:s.start], s.branch_pages])
+    return np.concatenate([s.req.lease.page_ids[:s.start // page_size], s.branch_pages])
+
+
+def page_copies(rows: Sequence[ScheduledSeq], page_size: int) -> list[tuple[int, int]]:
+    """(src, dst) KV pages to copy before a step with these rows runs: for each branch row
+    whose ``start`` is inside a page, the request's page of ``start`` (its tokens before
+    ``start``) into the branch's first page."""
+    out = []
+    for s in rows:
+        if s.branch_pages is not None:
+            page, offset = divmod(s.start, page_size)
+            if offset:
+                out.append((int(s.req.lease.page_ids[page]), int(s.branch_pages[0])))
+    return out
 
 
 def pick_branch(drafts: Sequence[tuple[int, ...]], tokens: Sequence[np.ndarray]) -> int:

@@ -38,7 +38,7 @@ import numpy as np
 from mambacache.config import EngineConfig
 from mambacache.engine.drafters import make_drafter
 from mambacache.engine.spec_chain import Chain, targets
-from mambacache.engine.spec_tree import pick_branch, plan_tree, row_pages
+from mambacache.engine.spec_tree import page_copies, pick_branch, plan_tree, row_pages
 from mambacache.engine.step_plan import ScheduledSeq, SeqSpec
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ class SpecDecoder:
         self.drafter = make_drafter(cfg.speculative)
         self.chain_room = cfg.speculative.method == "mtp"
         self.scratch_base = cfg.cache.num_mamba_slots + 1
+        self.page_size = cfg.cache.page_size
         self.num_lanes = cfg.scheduler.max_running_requests
         self._free_lanes = list(range(self.num_lanes - 1, -1, -1))
         self.slot_copies: list[tuple[int, int]] = []  # (src scratch, dst running) pending
@@ -120,6 +121,13 @@ class SpecDecoder:
         self._budget.clear()
         self.flying.clear()
 
+    def page_copies(self, scheduled: Sequence[ScheduledSeq]) -> list[tuple[int, int]]:
+        """[tree, page size > 1] KV pages to copy before ``scheduled`` runs
+        (``spec_tree.page_copies``)."""
+        if self.topk == 1 or self.page_size == 1:
+            return []
+        return page_copies(scheduled, self.page_size)
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.slot_copies = self.slot_copies, []
         return copies
@@ -160,7 +168,7 @@ class SpecDecoder:
         """The rows of a draft tree (``spec_tree.plan_tree``), or None: the caller verifies
         the first branch as a chain."""
         mtp_room = self.k - 1 if self.chain_room else 0
-        return plan_tree(req, tree, mtp_room, lambda: self._take_lane(req))
+        return plan_tree(req, tree, mtp_room, self.page_size, lambda: self._take_lane(req))
 
     def plan_chained(self, req: Request) -> ScheduledSeq | None:
         """[overlap, drafts on the device] The row of ``req`` whose previous row (in the step
@@ -226,12 +234,13 @@ class SpecDecoder:
         if s.chain is not None:
             return self._chained_spec(s)
         req, start, m = s.req, s.start, len(s.drafts)
-        window = req.lease.row_snapshots(start, start + m + 1)
         snaps = [(j, s.targets[j - 1]) for j in range(1, m + 1)]
-        snaps += [(pos - start, slot) for pos, slot in window]
+        if not s.branch:  # [tree] a window snapshot is branch 0's (``spec_tree.py``)
+            window = req.lease.row_snapshots(start, start + m + 1)
+            snaps += [(pos - start, slot) for pos, slot in window]
         tokens = np.concatenate([req.token_slice(start, start + 1),
                                  np.asarray(s.drafts, np.int32)])
-        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=row_pages(s),
+        return SeqSpec(tokens=tokens, prefix_len=start, page_ids=row_pages(s, self.page_size),
                        read_slot=req.lease.state_slot, write_slot=s.write_slot, snapshots=snaps,
                        logits="all")
 
@@ -273,6 +282,8 @@ class SpecDecoder:
         rows = (s, *s.branches)
         b = pick_branch([r.drafts for r in rows], tokens)
         s.req.lease.settle_branches(s.start, b)
+        if b:  # [page > 1] branch 0's window snapshots hold its own path's states: freed
+            s.req.lease.settle_window(s.start, s.start + len(s.drafts) + 1, s.start)
         self.drafter.chose(s.req.request_id, b)
         self.branch_wins += b > 0
         others = [r for r in rows if r is not rows[b]]

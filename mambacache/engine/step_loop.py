@@ -140,6 +140,9 @@ class StepLoop:
             if iterations > 1:
                 tokens, logprobs = e.runner.run_multi(scheduled, iterations)
             else:
+                copies = self.spec.page_copies(scheduled) if self.spec is not None else None
+                if copies:  # [speculative tree, page size > 1] branches' first pages
+                    e.runner.copy_pages(copies)
                 tokens, logprobs = e.runner.run(scheduled)
         except AssertionError:
             raise  # a broken invariant (the shadow runner's data-flow check) is a bug: no retry

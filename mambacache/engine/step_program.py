@@ -112,6 +112,19 @@ def _copy_slots(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:
                          ssm=tuple(a.at[dst].set(a[src]) for a in pools.ssm))
 
 
+def _copy_pages(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:
+    """Padding pairs are (0, 0): the dump page onto itself."""
+    return pools.replace(k_pages=tuple(a.at[dst].set(a[src]) for a in pools.k_pages),
+                         v_pages=tuple(a.at[dst].set(a[src]) for a in pools.v_pages))
+
+
+@functools.cache
+def copy_pages_fn():
+    """[speculative tree, page size > 1] The jitted KV page copy (pools donated): ``(pools,
+    src int32[n], dst int32[n]) -> pools``, every attention layer's K and V pages."""
+    return jax.jit(_copy_pages, donate_argnums=(0,))
+
+
 @functools.cache
 def copy_slots_fn():
     """The jitted slot copy (pools donated): ``(pools, src int32[n], dst int32[n]) -> pools``."""
