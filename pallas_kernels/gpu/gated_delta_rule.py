@@ -62,6 +62,16 @@ def _fast(a, b, **kw):
     return _dot(a, b, precision=DOT_PRECISION, **kw)
 
 
+def padded_ds(size: int) -> pl.Slice:
+    """``pl.ds(0, size)`` for a masked load or store whose tile may be wider than the ref's
+    dim (a pow2 tile over Dk 24, say; Triton never touches masked elements). The start is an
+    array, not a Python int: JAX >= 0.12 checks a slice whose start is a Python int against
+    the dim when the ref is indexed, without seeing the mask ("Out of bound slice"), and leaves
+    array starts to the kernel. Triton gets ``start + make_range`` offsets; the interpreter
+    pads the ref past the dim, where the mask discards."""
+    return pl.ds(jnp.int32(0), size)
+
+
 def unit_lower_inverse(lower):
     """``(I + L)^-1`` for strictly lower ``L [BT, BT]`` f32 (BT a multiple of 16).
 
@@ -91,7 +101,7 @@ def _load_chunk_qkg(q_ref, k_ref, g_ref, tok0, count, hk, h, *, bt, block_k, hea
     lane = jnp.arange(bt)
     rmask = lane < count
     kmask = jnp.arange(block_k) < head_k_dim
-    tidx, kidx = pl.ds(tok0, bt), pl.ds(0, block_k)
+    tidx, kidx = pl.ds(tok0, bt), padded_ds(block_k)
     qk_mask = rmask[:, None] & kmask[None, :]
     q = pltr.load(q_ref.at[tidx, hk, kidx], mask=qk_mask, other=0.0).astype(_F32)
     k = pltr.load(k_ref.at[tidx, hk, kidx], mask=qk_mask, other=0.0).astype(_F32)
@@ -117,7 +127,7 @@ def _wu_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                                         h, bt=bt, block_k=block_k, head_k_dim=head_k_dim)
     tidx = pl.ds(tok0, bt)
     vmask = jnp.arange(block_dv) < v_ref.shape[2]
-    v = pltr.load(v_ref.at[tidx, h, pl.ds(0, block_dv)], mask=rmask[:, None] & vmask[None, :],
+    v = pltr.load(v_ref.at[tidx, h, padded_ds(block_dv)], mask=rmask[:, None] & vmask[None, :],
                   other=0.0).astype(_F32)
     beta = pltr.load(beta_ref.at[tidx, h], mask=rmask, other=0.0)[:, None]
     rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
@@ -125,9 +135,9 @@ def _wu_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     decay = jnp.exp(jnp.where(rows > cols, gcum[:, None] - gcum[None, :], -jnp.inf))
     inv = unit_lower_inverse(beta * decay * _dot(k, k, trans_b=True))
     kmask = jnp.arange(block_k) < head_k_dim
-    pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)],
+    pltr.store(w_ref.at[tidx, h, padded_ds(block_k)],
                _fast(inv, beta * jnp.exp(gcum)[:, None] * k), mask=rmask[:, None] & kmask[None, :])
-    pltr.store(u_ref.at[tidx, h, pl.ds(0, block_dv)], _fast(inv, beta * v),
+    pltr.store(u_ref.at[tidx, h, padded_ds(block_dv)], _fast(inv, beta * v),
                mask=rmask[:, None] & vmask[None, :])
 
 
@@ -151,7 +161,7 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
     kmask = jnp.arange(block_k) < head_k_dim
     vmask = (vt * block_v + jnp.arange(block_v)) < u_ref.shape[2]
     smask = kmask[:, None] & vmask[None, :]
-    kidx, vidx = pl.ds(0, block_k), pl.ds(vt * block_v, block_v)
+    kidx, vidx = padded_ds(block_k), pl.ds(vt * block_v, block_v)
     state0 = pltr.load(pool_ref.at[read_ref[b], h, kidx, vidx], mask=smask, other=0.0)
     lane = jnp.arange(bt)
 
@@ -204,7 +214,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     kmask = jnp.arange(block_k) < head_k_dim
     vmask = (vt * block_v + jnp.arange(block_v)) < o_ref.shape[2]
     tidx, vidx = pl.ds(tok0, bt), pl.ds(vt * block_v, block_v)
-    s0 = pltr.load(hs_ref.at[c, h, pl.ds(0, block_k), vidx],
+    s0 = pltr.load(hs_ref.at[c, h, padded_ds(block_k), vidx],
                    mask=kmask[:, None] & vmask[None, :], other=0.0)
     tile = rmask[:, None] & vmask[None, :]
     vnew = pltr.load(vnew_ref.at[tidx, h, vidx], mask=tile, other=0.0)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16
+from pallas_kernels.gpu.gated_delta_rule import padded_ds, pow2_at_least_16
 from pallas_kernels.reference.gated_delta_rule import check_gdr_decode
 
 _F32 = jnp.float32
@@ -40,7 +40,7 @@ def _gdr_decode_kernel(read_ref,   # [B] i32 initial-state slot
     kmask = jnp.arange(block_k) < head_k_dim
     vmask = (v0 + jnp.arange(block_v)) < o_ref.shape[2]
     smask = kmask[:, None] & vmask[None, :]
-    kidx, vidx = pl.ds(0, block_k), pl.ds(v0, block_v)
+    kidx, vidx = padded_ds(block_k), pl.ds(v0, block_v)
     q = pltr.load(q_ref.at[b, hk, kidx], mask=kmask, other=0.0).astype(_F32)
     k = pltr.load(k_ref.at[b, hk, kidx], mask=kmask, other=0.0).astype(_F32)
     v = pltr.load(v_ref.at[b, h, vidx], mask=vmask, other=0.0).astype(_F32)

@@ -45,7 +45,11 @@ from pallas_kernels._common import (
     max_chunks,
     token_seq_ids,
 )
-from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16, unit_lower_inverse
+from pallas_kernels.gpu.gated_delta_rule import (
+    padded_ds,
+    pow2_at_least_16,
+    unit_lower_inverse,
+)
 from pallas_kernels.kda_chunk import SUB, decayed_gram
 from pallas_kernels.reference.kda import check_kda
 
@@ -72,7 +76,7 @@ def _load_rows(ref, tok0, count, h, *, bt, block, width):
     """Rows ``[tok0, tok0 + BT)`` of ``ref [T, H, width]`` at head h as ``[BT, block]`` f32,
     zero past ``count`` rows and ``width`` columns."""
     mask = (jnp.arange(bt) < count)[:, None] & (jnp.arange(block) < width)[None, :]
-    return pltr.load(ref.at[pl.ds(tok0, bt), h, pl.ds(0, block)], mask=mask,
+    return pltr.load(ref.at[pl.ds(tok0, bt), h, padded_ds(block)], mask=mask,
                      other=0.0).astype(_F32)
 
 
@@ -107,14 +111,14 @@ def _chunk_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     inv = unit_lower_inverse(
         beta * decayed_gram(k, k, gcum, inclusive=False, precision=_HIGHEST))
     kmask = jnp.arange(block_k) < head_k_dim
-    pltr.store(w_ref.at[tidx, h, pl.ds(0, block_k)], _dot(inv, beta * jnp.exp(gcum) * k, exact),
+    pltr.store(w_ref.at[tidx, h, padded_ds(block_k)], _dot(inv, beta * jnp.exp(gcum) * k, exact),
                mask=rmask[:, None] & kmask[None, :])
     g_last = jnp.min(gcum, axis=0, keepdims=True)  # the last valid row's G (G only falls)
-    pltr.store(kd_ref.at[tidx, h, pl.ds(0, block_k)], k * jnp.exp(g_last - gcum),
+    pltr.store(kd_ref.at[tidx, h, padded_ds(block_k)], k * jnp.exp(g_last - gcum),
                mask=rmask[:, None] & kmask[None, :])
     v = _load_rows(v_ref, tok0, count, h, bt=bt, block=block_dv, width=v_ref.shape[2])
     vmask = jnp.arange(block_dv) < v_ref.shape[2]
-    pltr.store(u_ref.at[tidx, h, pl.ds(0, block_dv)], _dot(inv, beta * v, exact),
+    pltr.store(u_ref.at[tidx, h, padded_ds(block_dv)], _dot(inv, beta * v, exact),
                mask=rmask[:, None] & vmask[None, :])
 
 
@@ -158,7 +162,7 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
     kmask = jnp.arange(block_k) < head_k_dim
     vmask = (vt * block_v + jnp.arange(block_v)) < u_ref.shape[2]
     smask = kmask[:, None] & vmask[None, :]
-    kidx, vidx = pl.ds(0, block_k), pl.ds(vt * block_v, block_v)
+    kidx, vidx = padded_ds(block_k), pl.ds(vt * block_v, block_v)
     state0 = pltr.load(pool_ref.at[read_ref[b], h, kidx, vidx], mask=smask, other=0.0)
     lane = jnp.arange(bt)[:, None]
 
@@ -222,7 +226,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     kmask = jnp.arange(block_k) < head_k_dim
     vmask = (vt * block_v + jnp.arange(block_v)) < o_ref.shape[2]
     tidx, vidx = pl.ds(tok0, bt), pl.ds(vt * block_v, block_v)
-    s0 = pltr.load(hs_ref.at[c, h, pl.ds(0, block_k), vidx],
+    s0 = pltr.load(hs_ref.at[c, h, padded_ds(block_k), vidx],
                    mask=kmask[:, None] & vmask[None, :], other=0.0)
     tile = (jnp.arange(bt) < count)[:, None] & vmask[None, :]
     vnew = pltr.load(vnew_ref.at[tidx, h, vidx], mask=tile, other=0.0)

@@ -44,7 +44,7 @@ from pallas_kernels._common import (
     max_chunks,
     token_seq_ids,
 )
-from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16
+from pallas_kernels.gpu.gated_delta_rule import padded_ds, pow2_at_least_16
 from pallas_kernels.gpu.ssd_decode import ssd_decode
 from pallas_kernels.gpu.ssd_state import last, load_chunk, mm, state_pass, weighted_bt_x
 from pallas_kernels.reference.ssd import check_ssd
@@ -81,7 +81,7 @@ def _chunk_state_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                   mask=rmask[:, None] & pmask[None, :], other=0.0)
     w = jnp.exp(last(g, jnp.arange(bt), bt) - g) * dt
     nmask = jnp.arange(block_n) < state_size
-    pltr.store(states_ref.at[c, h, pl.ds(0, block_n), pidx], weighted_bt_x(bm, w, x, f32_dot),
+    pltr.store(states_ref.at[c, h, padded_ds(block_n), pidx], weighted_bt_x(bm, w, x, f32_dot),
                mask=nmask[:, None] & pmask[None, :])
 
 
@@ -94,7 +94,7 @@ def _scores_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     c, grp = pl.program_id(0), pl.program_id(1)
     rmask = jnp.arange(bt) < clen_ref[c]
     mask = rmask[:, None] & (jnp.arange(block_n) < state_size)[None, :]
-    tidx, nidx = pl.ds(cstart_ref[c], bt), pl.ds(0, block_n)
+    tidx, nidx = pl.ds(cstart_ref[c], bt), padded_ds(block_n)
     bm = pltr.load(b_ref.at[tidx, grp, nidx], mask=mask, other=0.0)
     cm = pltr.load(c_ref.at[tidx, grp, nidx], mask=mask, other=0.0)
     pltr.store(cb_ref.at[c, grp, pl.ds(0, bt), pl.ds(0, bt)], mm(cm, bm, f32_dot, trans_b=True))
@@ -115,7 +115,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     c, h, pt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tok0, grp, lane = cstart_ref[c], jax.lax.div(h, group), jnp.arange(bt)
     rmask = lane < clen_ref[c]
-    tidx, nidx, pidx = pl.ds(tok0, bt), pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
+    tidx, nidx, pidx = pl.ds(tok0, bt), padded_ds(block_n), pl.ds(pt * block_p, block_p)
     dt = pltr.load(dt_ref.at[tidx, h], mask=rmask, other=0.0)
     g = jnp.cumsum(dt * a_ref[h])
     nmask = jnp.arange(block_n) < state_size

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.gpu.gated_delta_rule import pow2_at_least_16
+from pallas_kernels.gpu.gated_delta_rule import padded_ds, pow2_at_least_16
 from pallas_kernels.reference.ssd import check_ssd
 
 _F32 = jnp.float32
@@ -39,7 +39,7 @@ def _ssd_decode_kernel(read_ref,   # [B] i32
     grp = jax.lax.div(h, group)
     nmask, pmask = jnp.arange(block_n) < state_size, jnp.arange(block_p) < head_dim
     smask = nmask[:, None] & pmask[None, :]
-    nidx, pidx = pl.ds(0, block_n), pl.ds(0, block_p)
+    nidx, pidx = padded_ds(block_n), padded_ds(block_p)
     state = pltr.load(pool_ref.at[read_ref[i], h, nidx, pidx], mask=smask, other=0.0)
     x = pltr.load(x_ref.at[i, h, pidx], mask=pmask, other=0.0).astype(_F32)
     bv = pltr.load(b_ref.at[i, grp, nidx], mask=nmask, other=0.0).astype(_F32)

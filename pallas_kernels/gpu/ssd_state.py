@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.gpu.gated_delta_rule import padded_ds
+
 _F32 = jnp.float32
 
 
@@ -62,7 +64,7 @@ def load_chunk(b_ref, dt_ref, tok0, count, h, grp, a_h, *, bt, block_n, state_si
     rmask = lane < count
     nmask = jnp.arange(block_n) < state_size
     tidx = pl.ds(tok0, bt)
-    bm = pltr.load(b_ref.at[tidx, grp, pl.ds(0, block_n)], mask=rmask[:, None] & nmask[None, :],
+    bm = pltr.load(b_ref.at[tidx, grp, padded_ds(block_n)], mask=rmask[:, None] & nmask[None, :],
                    other=0.0)
     dt = pltr.load(dt_ref.at[tidx, h], mask=rmask, other=0.0)
     return bm, dt, jnp.cumsum(dt * a_h), rmask
@@ -85,7 +87,7 @@ def _state_pass_kernel(cu_ref,      # [B+1] i32 packed sequence starts
     start, end = cu_ref[b], cu_ref[b + 1]
     pmask = (pt * block_p + jnp.arange(block_p)) < pool_ref.shape[3]
     smask = (jnp.arange(block_n) < state_size)[:, None] & pmask[None, :]
-    nidx, pidx = pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
+    nidx, pidx = padded_ds(block_n), pl.ds(pt * block_p, block_p)
     a_h, lane = a_ref[h], jnp.arange(bt)
     state0 = pltr.load(pool_ref.at[read_ref[b], h, nidx, pidx], mask=smask, other=0.0)
 
@@ -143,7 +145,7 @@ def _target_kernel(tchunk_ref,  # [J] i32 chunk of each target (NC: none, done i
                                       a_ref[h], bt=bt, block_n=block_n, state_size=state_size)
         pmask = (pt * block_p + jnp.arange(block_p)) < x_ref.shape[2]
         smask = (jnp.arange(block_n) < state_size)[:, None] & pmask[None, :]
-        nidx, pidx = pl.ds(0, block_n), pl.ds(pt * block_p, block_p)
+        nidx, pidx = padded_ds(block_n), pl.ds(pt * block_p, block_p)
         x = pltr.load(x_ref.at[pl.ds(tok0, bt), h, pidx], mask=rmask[:, None] & pmask[None, :],
                       other=0.0)
         s0 = pltr.load(pool_ref.at[slot, h, nidx, pidx], mask=smask, other=0.0)
