@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.aot.gpu import sm90_target
 from pallas_kernels.gpu import paged_attention as attn
 from pallas_kernels.reference import paged_attention as attn_ref
 from pallas_kernels.testing import paged_attention_case
@@ -104,11 +105,12 @@ def test_gpu_paged_attention_lowers_for_triton(dtype, page_size, hq, hkv, d):
     t, b = 256, 4
     f = functools.partial(attn.paged_attention, scale=0.1, interpret=False)
     pages = _sd((65, page_size, hkv, d), dtype)
-    exported = jax.export.export(
-        jax.jit(f), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
-        _sd((t, hq, d), dtype), pages, pages, _sd((b + 1,), I32), _sd((b,), I32),
-        _sd((b, 16), I32))
+    with sm90_target():
+        exported = jax.export.export(
+            jax.jit(f), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+            _sd((t, hq, d), dtype), pages, pages, _sd((b + 1,), I32), _sd((b,), I32),
+            _sd((b, 16), I32))
     assert TRITON in exported.mlir_module()
 
 

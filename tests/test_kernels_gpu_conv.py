@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.aot.gpu import sm90_target
 from pallas_kernels.gpu import causal_conv1d as conv
 from pallas_kernels.reference import causal_conv1d as conv_ref
 from pallas_kernels.testing import ragged_case, slot_args
@@ -139,9 +140,10 @@ def _sd(shape, dtype=jnp.float32):
 
 
 def _export_cuda(fn, *args):
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    with sm90_target():
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
     assert TRITON in exported.mlir_module()
 
 

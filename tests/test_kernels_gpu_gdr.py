@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels._common import interpret_default
+from pallas_kernels.aot.gpu import sm90_target
 from pallas_kernels.gpu import gated_delta_rule as ggdr
 from pallas_kernels.gpu.gated_delta_rule_decode import gated_delta_rule_decode
 from pallas_kernels.reference import gated_delta_rule as gdr_ref
@@ -171,9 +172,10 @@ def _sd(shape, dtype=jnp.float32):
 
 def _export_cuda(fn, pool_operand: int, *args, pool_output: int = 1):
     """Lower for CUDA; a Triton call must alias its pool operand to output ``pool_output``."""
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    with sm90_target():
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
     module = exported.mlir_module()
     assert TRITON in module
     assert (f"output_tuple_indices = [{pool_output}], operand_index = {pool_operand},"

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels._common import interpret_default
+from pallas_kernels.aot.gpu import sm90_target
 from pallas_kernels.gpu import ssd as gssd
 from pallas_kernels.reference.ssd import ssd_extend_reference
 from pallas_kernels.testing import ragged_case, slot_args
@@ -137,9 +138,11 @@ def test_gpu_ssd_extend_lowers_for_cuda(dtype, h, g, n, p, chunk):
             sd((slots, h, n, p), jnp.float32), sd((b + 1,), i32), sd((b,), i32), sd((b,), i32),
             sd((s,), i32), sd((s,), i32), sd((s,), i32))
     f = functools.partial(gssd.ssd_extend, chunk_size=chunk, interpret=False)
-    module = jax.export.export(
-        jax.jit(f), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args).mlir_module()
+    with sm90_target():
+        exported = jax.export.export(
+            jax.jit(f), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    module = exported.mlir_module()
     assert module.count(TRITON) >= 5
     assert "output_tuple_indices = [1], operand_index = 9," in module
     assert ("output_tuple_indices = [0], operand_index = 8," in module) == (dtype == jnp.float32)

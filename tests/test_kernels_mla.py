@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ops
+from pallas_kernels.aot.gpu import sm90_target
 from pallas_kernels.gpu import mla_attention as mla
 from pallas_kernels.reference.mla_attention import mla_attention_reference
 from pallas_kernels.testing import paged_attention_case
@@ -95,9 +96,10 @@ def test_gpu_mla_attention_lowers_for_triton_at_kimi_linear_sizes():
     sd = jax.ShapeDtypeStruct
     t, b, pages_per_seq, width = 256, 4, 16, 512 + 64
     f = jax.jit(lambda *a: mla.mla_attention(*a, kv_lora_rank=512, scale=0.07, interpret=False))
-    exported = jax.export.export(
-        f, platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
-        sd((t, 32, width), jnp.bfloat16), sd((65, 16, 1, width), jnp.bfloat16),
-        sd((b + 1,), jnp.int32), sd((b,), jnp.int32), sd((b, pages_per_seq), jnp.int32))
+    with sm90_target():
+        exported = jax.export.export(
+            f, platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+            sd((t, 32, width), jnp.bfloat16), sd((65, 16, 1, width), jnp.bfloat16),
+            sd((b + 1,), jnp.int32), sd((b,), jnp.int32), sd((b, pages_per_seq), jnp.int32))
     assert TRITON in exported.mlir_module()

@@ -10,6 +10,11 @@ SASS: spill instructions (``STL`` / ``LDL``: local memory), tensor-core instruct
 (``LDG.E.128``, ``LDGSTS...128``), ``cp.async`` ones (``LDGSTS``) and scalar 16-bit ones
 (``LDG.E.U16``: a gather Triton could not vectorise). A kernel needing more than 227 KB of
 shared memory fails the gate: it compiles but cannot launch.
+
+Without a GPU, JAX >= 0.11 asks which GPU a Triton kernel is lowered for ("No supported GPU
+devices found, please specify an abstract GPU device using AbstractDevice"): ``sm90_target``
+names an abstract H200 (sm_90) through ``jax.sharding.use_abstract_mesh``. JAX 0.10 ignores the
+abstract device and lowers for its fallback, sm_90, so the same code serves both.
 """
 
 from __future__ import annotations
@@ -25,6 +30,21 @@ import jax
 
 SM = 90
 SHARED_LIMIT = 227 * 1024  # H100 / H200: most shared memory one block may have (opt-in)
+SM90_DEVICE_KIND = "NVIDIA H200"  # JAX's gpu_info maps it to compute capability 9.0
+SM90_CORES = 132  # streaming multiprocessors of an H200 (SXM)
+
+
+def sm90_target() -> contextlib.AbstractContextManager:
+    """Lower Triton kernels inside this context for an H200 (sm_90), with or without a GPU.
+
+    An abstract one-device mesh whose device is an H200: JAX >= 0.11's Triton lowering reads the
+    target from it when no GPU (or another one) is attached; on a machine whose GPU is an H200
+    it changes nothing.
+    """
+    device = jax.sharding.AbstractDevice(device_kind=SM90_DEVICE_KIND, num_cores=SM90_CORES,
+                                         platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("sm90",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def _triton_bin(tool: str) -> str:
@@ -58,7 +78,7 @@ def capture():
 
 def lower_kernels(fn, args) -> list[tuple[str, str, int, int]]:
     """The Triton IR of every kernel in ``fn(*args)`` lowered for CUDA."""
-    with capture() as seen:
+    with capture() as seen, sm90_target():
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return list(seen)
 

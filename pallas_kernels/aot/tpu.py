@@ -15,6 +15,7 @@ not a timing: DMA waits and MXU latency are not in it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
@@ -36,6 +37,18 @@ def init_env(dump_dir: str | None) -> None:
         flags = f"--xla_jf_dump_to={dump_dir} --xla_jf_dump_llo_text=true"
         os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " "
                                           + flags).strip()
+
+
+def tpu_target(device_kind: str = "TPU v5 lite") -> contextlib.AbstractContextManager:
+    """Lower Mosaic kernels inside this context for ``device_kind`` without a TPU.
+
+    JAX >= 0.12 reads the TPU generation while lowering a Pallas TPU kernel ("Unsupported TPU
+    device kind: cpu ... wrap your code in a ``jax.sharding.use_abstract_mesh``"): an abstract
+    one-device mesh names it. JAX 0.10 does not ask and ignores it.
+    """
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("tpu",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 @functools.cache
