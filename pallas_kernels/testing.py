@@ -32,8 +32,14 @@ def ragged_case(rng: np.random.Generator, lens: Sequence[int], *, num_tokens: in
                 num_snapshots: int | None = None, zero_init: bool = False) -> RaggedCase:
     """Build a case. ``snapshots`` are ``(seq, offset)``; each gets its own fresh slot.
 
-    Read slots are random non-zero slots (or 0 when ``zero_init``); write and snapshot slots are
-    distinct fresh slots, so every write is observable.
+    Write and snapshot slots are distinct fresh slots, so every write is observable. Each
+    sequence reads (unless ``zero_init``: slot 0) either its own write slot or one of the slots
+    no sequence writes (a cached snapshot; several sequences may read the same one): as the
+    engine guarantees, no sequence reads a slot that another one (or a snapshot) writes in the
+    same call. The kernels update the pool in place, so such a read would see the other
+    sequence's write or not depending on the order the programs run in (on hardware, and in
+    JAX >= 0.11's interpreter, which makes each grid step's writes to an aliased pool visible to
+    the next; 0.10's interpreter read a copy).
     """
     lens = tuple(int(n) for n in lens)
     if sum(lens) > num_tokens or len(lens) > num_seqs:
@@ -44,11 +50,14 @@ def ragged_case(rng: np.random.Generator, lens: Sequence[int], *, num_tokens: in
     cu[0] = 0
     cu[1:len(lens) + 1] = np.cumsum(lens)
     fresh = rng.permutation(np.arange(1, num_slots))
-    read = np.zeros(num_seqs, np.int32)
-    if not zero_init:
-        read[:len(lens)] = rng.integers(1, num_slots, size=len(lens))
     write = np.zeros(num_seqs, np.int32)
     write[:len(lens)] = fresh[:len(lens)]
+    unwritten = fresh[len(lens) + len(snapshots):]
+    read = np.zeros(num_seqs, np.int32)
+    if not zero_init:
+        own = rng.integers(0, 2, size=len(lens)).astype(bool)
+        read[:len(lens)] = np.where(own, write[:len(lens)],
+                                    rng.choice(unwritten, size=len(lens)))
     snap = np.zeros((3, num_snaps), np.int32)
     for j, (b, off) in enumerate(snapshots):
         snap[:, j] = (b, off, fresh[len(lens) + j])

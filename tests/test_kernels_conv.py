@@ -57,6 +57,28 @@ def test_conv_extend_kernel_matches_reference(kw, channels, dtype, use_bias, len
                                   np.asarray(pool_ref, np.float32))
 
 
+def test_ragged_case_reads_no_slot_another_sequence_writes():
+    """The kernels' contract (the engine's guarantee): a sequence reads its own write slot or a
+    slot no sequence of the call writes. Cases that broke it made JAX >= 0.11's interpreter
+    (aliased pools updated in place, as on hardware) disagree with the references."""
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for _ in range(200):
+        num_seqs = int(rng.integers(1, 9))
+        lens = [int(n) for n in rng.integers(0, 20, size=num_seqs)]
+        snaps = [(int(b), int(rng.integers(0, lens[b] + 1)))
+                 for b in rng.integers(0, num_seqs, size=int(rng.integers(0, 6)))]
+        case = ragged_case(rng, lens, num_tokens=sum(lens) + 2, num_seqs=num_seqs + 1,
+                           snapshots=snaps)
+        written = set(case.write_slot[:num_seqs]) | set(case.snap_slot[:len(snaps)])
+        for b in range(num_seqs):
+            read = int(case.read_slot[b])
+            own = read == case.write_slot[b]
+            assert read > 0 and (own or read not in written), (lens, snaps, b, read)
+            kinds.add(own)
+    assert kinds == {True, False}  # both an own slot and a cached snapshot get read
+
+
 @pytest.mark.parametrize("kw,dtype", [(4, "float32"), (2, "bfloat16")])
 def test_conv_decode_kernel_matches_reference(kw, dtype):
     rng = np.random.default_rng(10 + kw)
