@@ -26,6 +26,8 @@ MAX_DRAFT_TOKENS = 16
 MAX_DRAFT_BRANCHES = 8
 #: the most decode iterations one dispatch runs (``scheduler.decode_steps``)
 MAX_DECODE_STEPS = 64
+#: the most threads the warm-up compiles in (``compile.threads``)
+MAX_COMPILE_THREADS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +228,31 @@ class ServeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """How the step programs compile (``engine/warmup.py``, ``engine/compile_cache.py``).
+
+    ``cache_dir``: JAX's persistent compile cache, on by default: ``"auto"`` (the user's cache
+    directory, ``$XDG_CACHE_HOME/mambacache/jax`` or ``~/.cache/mambacache/jax``, unless
+    ``$MAMBACACHE_COMPILE_CACHE_DIR`` names another; empty there: off), a directory, or ``""``
+    / ``"off"``. ``ahead_of_time``: the warm-up lowers every program from abstract shapes and
+    compiles them in ``threads`` threads (0: the CPU count, at most ``MAX_COMPILE_THREADS``),
+    then runs each once; ``False``: it runs each program in turn (compiling on the way)."""
+
+    cache_dir: str = "auto"
+    ahead_of_time: bool = True
+    threads: int = 0
+
+    def __post_init__(self):
+        _require(isinstance(self.cache_dir, str),
+                 f"compile.cache_dir must be a string, got {self.cache_dir!r}")
+        _require(isinstance(self.ahead_of_time, bool),
+                 f"compile.ahead_of_time must be a bool, got {self.ahead_of_time!r}")
+        _require(type(self.threads) is int and 0 <= self.threads <= MAX_COMPILE_THREADS,
+                 f"compile.threads must be an int in [0, {MAX_COMPILE_THREADS}], got "
+                 f"{self.threads!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an ``Engine`` needs. The defaults are the embedded tiny model."""
 
@@ -234,6 +261,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
     @classmethod

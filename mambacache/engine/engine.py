@@ -85,6 +85,9 @@ class Engine:
 
                 self.cfg = cfg = size_pools(cfg, self.model_cfg)[0]
         else:
+            from mambacache.engine.compile_cache import use_compile_cache
+
+            use_compile_cache(cfg.compile)  # before the first compile (the random init's)
             self.model_cfg, params = model if model is not None else load_model(cfg)
             if cfg.model.deterministic != self.model_cfg.deterministic:  # [deterministic]
                 self.model_cfg = dataclasses.replace(self.model_cfg,
@@ -264,16 +267,17 @@ class Engine:
         return self.loop.step()
 
     @owned
-    def warmup(self, max_seq_len: int | None = None,
-               logit_controls: bool = False) -> dict[str, Any]:
+    def warmup(self, max_seq_len: int | None = None, logit_controls: bool = False,
+               progress: Any = None) -> dict[str, Any]:
         """Compile every step program this configuration can run (sequences up to
         ``max_seq_len`` tokens; default the model's context) on an idle engine, leaving its
         cache, pools and metrics as they were (``engine/warmup.py``); ``logit_controls``: the
         penalty / grammar variants too. Returns ``programs``, ``compiles`` (XLA compiles JAX
-        reported), ``compile_s``, ``seconds``, ``controls_programs``."""
+        reported), ``cache_hits``, ``compile_s``, ``seconds``, ``controls_programs``,
+        ``program_list``; ``progress(line)`` hears each stage."""
         from mambacache.engine.warmup import warmup
 
-        self.warmup_stats = warmup(self, max_seq_len, logit_controls)
+        self.warmup_stats = warmup(self, max_seq_len, logit_controls, progress)
         return self.warmup_stats
 
     # ---- [parallel] warm restarts: parallel/checkpoint.py -----------------------------------

@@ -4,12 +4,14 @@ the pools donated, read its tokens back.
 The host hands over ``SeqSpec``s (token ids, page ids, slots, snapshots); the runner packs them
 into a ``ForwardBatch`` whose shapes come from ``engine/buckets.py``: a configuration compiles a
 finite, known set of programs (``Buckets.program_set``), which ``warm`` compiles up front on
-dummy rows that write only the dump page 0 and the dropped slot 0. Every XLA compile made while
+dummy rows that write only the dump page 0 and the dropped slot 0 (after ``compile_ahead``
+compiled it from abstract shapes, in the warm-up's thread pool). Every XLA compile made while
 running a step is counted where JAX makes it (``engine/compiles.py``): ``programs_compiled``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -227,6 +229,28 @@ class ModelRunner:
         ``future`` row 0 it overwrites is read by no later step). ``logit_controls``: the
         variant whose sampler applies penalties and masks (``MIN_IDS`` wide, changing nothing
         here); single-step shapes only (a multi-step dispatch runs no controlled row)."""
+        fn, args = self._warm_call(shape, logit_controls)
+        with self.warm_compiles.track():
+            out = fn(self.params, self.pools, self.future, *args)
+            self.pools, self.future = out[:2]
+            jax.block_until_ready(out[2])
+
+    def compile_ahead(self, shape: StepShape, logit_controls: bool = False) -> float:
+        """Lower and compile ``warm(shape, logit_controls)``'s program from abstract shapes
+        (params, pools and the carry as ``ShapeDtypeStruct``s with their shardings; nothing is
+        allocated or run); JAX keeps the executable, so ``warm`` then only runs it. Safe to call
+        from several threads at once (``engine/warmup.py``'s pool). Returns the seconds it took
+        (tracing, lowering and the XLA compile, or the load from the persistent cache)."""
+        fn, args = self._warm_call(shape, logit_controls)
+        state = jax.tree.map(abstract, (self.params, self.pools, self.future))
+        t0 = time.perf_counter()
+        with self.warm_compiles.track():
+            fn.lower(*state, *args).compile()
+        return time.perf_counter() - t0
+
+    def _warm_call(self, shape: StepShape, logit_controls: bool) -> tuple[Any, tuple]:
+        """``(program, host arguments after params, pools and the carry)`` of ``warm``'s dummy
+        step at ``shape``: every row reads and writes only the dump page 0 and slot 0."""
         n = shape.num_seqs if shape.decode else 1
         seqs = [SeqSpec(tokens=[0], prefix_len=0, page_ids=[0], read_slot=0, write_slot=0)
                 for _ in range(n)]
@@ -238,18 +262,9 @@ class ModelRunner:
         prev = np.full(shape.num_tokens, -1, np.int32)
         if shape.iterations > 1:  # [multi-step decode] every row limit 0: frozen throughout
             rows = MultiStepRows.build([], shape.num_seqs, None)
-            with self.warm_compiles.track():
-                out = self._multi_fn(shape.iterations)(self.params, self.pools, self.future,
-                                                       batch, sb, prev, rows)
-                self.pools, self.future = out[:2]
-                jax.block_until_ready(out[2])
-            return
+            return self._multi_fn(shape.iterations), (batch, sb, prev, rows)
         extra = (self._spec_inputs([], shape),) if self.spec_k else ()
-        with self.warm_compiles.track():
-            out = self._fns[shape.decode](self.params, self.pools, self.future, batch, sb, prev,
-                                          *extra)
-            self.pools, self.future = out[:2]
-            jax.block_until_ready(out[2])
+        return self._fns[shape.decode], (batch, sb, prev, *extra)
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """[speculative] ``pools[dst] <- pools[src]`` for every (src, dst) state slot pair, conv
@@ -341,6 +356,13 @@ class ModelRunner:
             lambda x: jnp.zeros(x.shape, jnp.int32, device=x.sharding), self.future)
         if self.host_pools is not None:  # the cache (host tier included) starts empty too
             self.host_pools.reset()
+
+
+def abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype, and its sharding when it is committed to it (placed on a mesh
+    or a device): an uncommitted array's program is the one JAX compiles for it when called."""
+    committed = getattr(x, "committed", getattr(x, "_committed", True))
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
 
 
 def future_index(seqs: Sequence[SeqSpec], num_tokens: int) -> np.ndarray:
