@@ -99,3 +99,14 @@ def test_moe_layer_flops_are_the_active_ones():
         touched = step_cost.touched_experts(tokens, e, k)
         want = 2 * (experts * touched / e + rest + 2 * tokens * CFG.hidden_size)
         assert cost.weight_bytes == pytest.approx(want)
+
+
+def test_weights_that_do_not_fit_are_named():
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 1000}
+
+    with pytest.raises(ValueError, match=r"the weights \(0\.0 GB\) exceed 90% of the device's "
+                                         r"0\.0 GB"):
+        step.check_fits(CFG, 2, Device())
+    step.check_fits(CFG, 2, jax.devices()[0])   # CPU: no limit reported, or plenty

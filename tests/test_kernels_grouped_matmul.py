@@ -3,11 +3,16 @@ kernels interpreted on CPU against the per-pair reference and the dense every-ex
 MoE family's feed-forward through the op against its dense reference, and the tensor-parallel
 split (4 CPU devices in a subprocess).
 
-Tolerances: fp32 1e-5 of the output's scale (exact fp32 products in every form; sums reordered);
-bf16 2e-2 (x.dtype roundings of the activation and the weighted pair at different points).
+Each family runs compiled on its own backend and interpreted elsewhere (``interpret_default``),
+so on a GPU the Triton kernel is tested compiled. Tolerances: fp32 1e-5 of the output's scale
+interpreted (exact fp32 products in every form; sums reordered), 1e-4 compiled (Triton's fp32
+dots at ``HIGHEST`` are 3-pass tf32, as the other GPU kernels' tests note); bf16 2e-2 (x.dtype
+roundings of the activation and the weighted pair at different points).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +24,17 @@ from models.families import get_family
 from models.params import init_params
 from models.presets import PRESETS
 from pallas_kernels import ops
+from pallas_kernels._common import interpret_default
 from pallas_kernels.gpu import grouped_matmul as gpu_gmm
 from pallas_kernels.moe_align import max_blocks, moe_align
 from pallas_kernels.reference.grouped_matmul import activate, grouped_moe_reference
 from pallas_kernels.tpu import grouped_matmul as tpu_gmm
 from tests.multidevice import run_worker
 
-KERNELS = {"gpu": gpu_gmm.grouped_moe, "tpu": tpu_gmm.grouped_moe}
+INTERPRET = {f: interpret_default(f) for f in ("gpu", "tpu")}
+KERNELS = {f: functools.partial(k.grouped_moe, interpret=INTERPRET[f])
+           for f, k in (("gpu", gpu_gmm), ("tpu", tpu_gmm))}
+F32_TOL = {f: 1e-5 if INTERPRET[f] else 1e-4 for f in INTERPRET}
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -119,10 +128,11 @@ KERNEL_CASES = {  # (T, E, k, H, I, activation, routing)
 def test_kernel_matches_reference_and_dense_fp32(family, name):
     t, e, k, h, i, act, routing = KERNEL_CASES[name]
     args = case(t, e, k, h, i, act, routing, seed=len(name))
-    got = KERNELS[family](*args, activation=act, interpret=True)
+    got = KERNELS[family](*args, activation=act)
     ref = grouped_moe_reference(*args, activation=act)
     assert got.shape == (t, h) and got.dtype == jnp.float32
-    assert _err(got, ref) <= 1e-5 and _err(got, dense(*args, act)) <= 1e-5
+    tol = F32_TOL[family]
+    assert _err(got, ref) <= tol and _err(got, dense(*args, act)) <= tol
     assert _err(ref, dense(*args, act)) <= 1e-5
 
 
@@ -132,16 +142,16 @@ def test_kernel_local_experts_only(family):
     contribute 0, so two halves sum to the whole."""
     x, vals, idx, w_in, w_out = case(11, 8, 2, 32, 16, seed=3)
     fn = KERNELS[family]
-    halves = [fn(x, vals, idx, w_in[o:o + 4], w_out[o:o + 4], o, interpret=True)
-              for o in (0, 4)]
-    assert _err(halves[1], grouped_moe_reference(x, vals, idx, w_in[4:], w_out[4:], 4)) <= 1e-5
-    assert _err(halves[0] + halves[1], dense(x, vals, idx, w_in, w_out, "swiglu")) <= 1e-5
+    halves = [fn(x, vals, idx, w_in[o:o + 4], w_out[o:o + 4], o) for o in (0, 4)]
+    tol = F32_TOL[family]
+    assert _err(halves[1], grouped_moe_reference(x, vals, idx, w_in[4:], w_out[4:], 4)) <= tol
+    assert _err(halves[0] + halves[1], dense(x, vals, idx, w_in, w_out, "swiglu")) <= tol
 
 
 @pytest.mark.parametrize("family", ["gpu", "tpu"])
 def test_kernel_bf16(family):
     args = case(24, 8, 2, 64, 32, dtype=jnp.bfloat16, seed=9)
-    got = KERNELS[family](*args, interpret=True)
+    got = KERNELS[family](*args)
     assert _err(got, grouped_moe_reference(*args)) <= 2e-2
 
 
@@ -153,8 +163,8 @@ def test_gpu_blocks_sizes_the_grid():
     jaxpr = jax.make_jaxpr(lambda *a: gpu_gmm.grouped_moe(*a, interpret=True))(*args)
     assert str(jaxpr).count("GridMapping(grid=(8, 1)") == 2   # the up and the down kernel
     blocks = gpu_gmm.GmmBlocks(block_m=32, block_n=16, block_k=16)
-    got = gpu_gmm.grouped_moe(*args, blocks=blocks, interpret=True)
-    assert _err(got, grouped_moe_reference(*args)) <= 1e-5
+    got = KERNELS["gpu"](*args, blocks=blocks)
+    assert _err(got, grouped_moe_reference(*args)) <= F32_TOL["gpu"]
 
 
 def test_bad_shapes_name_them():
@@ -198,7 +208,7 @@ def test_family_moe_through_kernel_matches_dense(preset, family, monkeypatch):
     want = _ffn(cfg, preset, "reference")
     assert calls and calls[0]["impl"] == "pallas"
     assert calls[0]["activation"] == ("relu2" if cfg.family == "nemotron_h" else "swiglu")
-    assert _err(got, want) <= 1e-5
+    assert _err(got, want) <= F32_TOL[family]
 
 
 # ---- tensor parallel -------------------------------------------------------------------------
@@ -208,7 +218,7 @@ import json, os, jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from mambacache.parallel.mesh import make_mesh
 from pallas_kernels import ops
-from tests.test_kernels_grouped_matmul import case, dense
+from tests.test_kernels_grouped_matmul import F32_TOL, case, dense
 assert len(jax.devices()) == 4, jax.devices()
 mesh = make_mesh(4)
 result = {}
@@ -222,7 +232,7 @@ for act in ("swiglu", "relu2"):
         hlo = f.lower(x, vals, idx, *ws).compile().as_text()
         got = np.asarray(f(x, vals, idx, *ws))
         result[act + "_" + family] = dict(
-            err=float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+            err=float(np.max(np.abs(got - want)) / np.max(np.abs(want))), tol=F32_TOL[family],
             all_reduce=hlo.count("all-reduce("), all_gather=hlo.count("all-gather("))
 print(json.dumps(result))
 """
@@ -234,5 +244,5 @@ def test_tp_kernel_runs_on_local_experts():
     result = run_worker(_TP_WORKER)
     assert len(result) == 4
     for name, r in result.items():
-        assert r["err"] <= 1e-5, (name, r)
+        assert r["err"] <= r["tol"], (name, r)
         assert r["all_reduce"] == 1 and r["all_gather"] == 0, (name, r)

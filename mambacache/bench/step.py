@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -153,12 +154,25 @@ def _entry(seconds: float, cost: step_cost.Cost, peak: tuple | None, dtype: str,
             "roofline_fraction": step_cost.fraction(floor, seconds)}
 
 
+def check_fits(cfg: ModelConfig, itemsize: int, device: Any) -> None:
+    """``ValueError`` naming the sizes when the weights alone exceed 90% of ``device``'s memory
+    (e.g. Qwen3-Next-80B-A3B in bf16, 160 GB, on one H200); no check where the device does not
+    report a limit (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    weights = sum(math.prod(s) for _, s in step_cost._leaves(cfg)) * itemsize
+    if limit and weights > 0.9 * limit:
+        raise ValueError(f"the weights ({weights / 1e9:.1f} GB) exceed 90% of the device's "
+                         f"{limit / 1e9:.1f} GB")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every timing of the benchmark as one JSON-able dict (``main`` prints it)."""
     cfg = get_preset(args.preset)
     dtype = jnp.dtype(args.dtype)
     itemsize, name = dtype.itemsize, dtype.name
     kind = jax.devices()[0].device_kind
+    check_fits(cfg, itemsize, jax.devices()[0])
     peak = None if jax.default_backend() == "cpu" else roofline(kind)
     start = time.perf_counter()
     params = jax.block_until_ready(random_params(cfg, dtype, args.seed))
