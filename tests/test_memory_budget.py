@@ -118,6 +118,25 @@ def test_auto_eviction_follows_the_budget():
     assert CacheConfig().eviction == "auto"
 
 
+def test_alpha_inf_ranks_by_expected_saving_per_byte():
+    """``alpha = inf`` (a tuner candidate): recency rank x FLOPs per byte. A deep state used
+    before a shallow one outlives it; any finite alpha evicts the deep one first here, since
+    recency dominates a normalised efficiency gap this small."""
+    import math
+
+    from mambacache.cache.tuning import GRID
+
+    assert math.inf in GRID and GRID[0] == 0.0
+    cache = make_cache(True, 400, 8, eviction="flop_aware", alpha=math.inf)
+    deep, shallow = list(range(1, 101)), list(range(200, 211))
+    for prompt in (deep, shallow):
+        pages = cache.alloc_pages(len(prompt))
+        cache.insert(prompt, pages, {len(prompt): cache.alloc_slot()})
+    assert cache.policy.page_victims(cache, 1)[0].depth == len(shallow)
+    cache.policy.set_alpha(0.25)
+    assert cache.policy.page_victims(cache, 1)[0].depth == len(deep)
+
+
 def test_plan_pools_sizes_and_errors():
     fixed = plan_pools(CacheConfig(num_kv_tokens=64, num_mamba_slots=4), 10, 40,
                        context_len=32, max_running=2)
@@ -161,6 +180,42 @@ def test_a_budget_set_by_replace_derives_the_pools():
     assert (kept.cache.num_kv_tokens, kept.cache.num_mamba_slots) == (4096, 0)
     back = cfg.replace(**{"cache.memory_bytes": 0})  # no budget again: the defaults
     assert (back.cache.num_kv_tokens, back.cache.num_mamba_slots) == (16384, 64)
+
+
+def test_a_budget_capped_by_explicit_pool_sizes_is_logged(caplog):
+    """Both pool sizes explicit hold fewer bytes than the budget: the cache can use only the
+    cap, and a warning says so with the numbers; derived pools or a cap at the budget log
+    nothing."""
+    import logging
+
+    kw = dict(context_len=8, max_running=2)
+    capped = CacheConfig(memory_bytes=100_000, state_bytes=SLOT_B, kv_bytes_per_token=PAGE_B,
+                         num_kv_tokens=16, num_mamba_slots=4)
+    with caplog.at_level(logging.WARNING, logger="mambacache.cache.budget"):
+        plan_pools(capped, PAGE_B, SLOT_B, **kw)
+    (rec,) = caplog.records
+    assert "capped at 320 bytes" in rec.getMessage() and "100000" in rec.getMessage()
+    assert "cache.num_kv_tokens = 16" in rec.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mambacache.cache.budget"):
+        plan_pools(CacheConfig(memory_bytes=100_000, state_bytes=SLOT_B,
+                               kv_bytes_per_token=PAGE_B), PAGE_B, SLOT_B, **kw)
+        plan_pools(CacheConfig(memory_bytes=320, state_bytes=SLOT_B, kv_bytes_per_token=PAGE_B,
+                               num_kv_tokens=16, num_mamba_slots=4), PAGE_B, SLOT_B, **kw)
+    assert not caplog.records
+
+
+def test_the_tiny_config_derives_its_pools_from_a_budget():
+    """``configs/tiny_qwen3_next.toml`` pins no pool size and no eviction: the defaults (16384
+    tokens / 64 slots, LRU) without a budget, pools derived and ``auto`` with one."""
+    import mambacache as mc
+
+    plain = mc.EngineConfig.load("configs/tiny_qwen3_next.toml")
+    assert (plain.cache.num_kv_tokens, plain.cache.num_mamba_slots) == (16384, 64)
+    assert plain.cache.eviction == "auto"
+    budget = mc.EngineConfig.load("configs/tiny_qwen3_next.toml",
+                                  overrides={"cache.memory_bytes": 2 * 10**9})
+    assert (budget.cache.num_kv_tokens, budget.cache.num_mamba_slots) == (0, 0)
 
 
 def test_engine_sized_from_memory_bytes_stays_exact_and_within_budget():

@@ -116,6 +116,28 @@ def test_budget_run_reports_bytes_and_shares_them(tmp_path):
               "400", "--kv-bytes-per-token", "20"])
 
 
+@pytest.mark.parametrize("sizes", [True, False])
+def test_a_budget_capped_by_explicit_pools_is_logged(tmp_path, caplog, sizes):
+    """--set cache.memory_bytes with both pool sizes explicit: the run is capped at the pools'
+    bytes, and a warning names the cap (byte sizes given, or the preset's: the issue's
+    ``--config configs/tiny_qwen3_next.toml`` case when it pinned 16,384 tokens / 64 slots)."""
+    import logging
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, shared_prefix_trace(4, 2, 16, 4, output_len=2, vocab_size=100))
+    args = ["--trace", str(trace), "--set", "cache.memory_bytes=5000000000", "--set",
+            "cache.num_kv_tokens=16384", "--set", "cache.num_mamba_slots=64"]
+    if sizes:
+        args += ["--state-bytes", "26800000", "--kv-bytes-per-token", "65526"]
+    with caplog.at_level(logging.WARNING, logger="mambacache.cache.budget"):
+        res = main(args)
+    assert res["num_kv_tokens"] == 16384 and res["num_mamba_slots"] == 64
+    (rec,) = [r for r in caplog.records if "capped at" in r.getMessage()]
+    cap = 16384 * 65526 + 64 * 26800000 if sizes else None
+    assert "cache budget 5000000000 bytes is capped" in rec.getMessage()
+    assert cap is None or f"capped at {cap} bytes" in rec.getMessage()
+
+
 def test_host_tier_run_hits_more_on_the_same_device_budget(tmp_path):
     """The simulator with a host tier (--set cache.host_memory_bytes): interleaved multi-turn
     chats on a device budget that holds about two of them; every copy between the tiers

@@ -188,10 +188,15 @@ def budget_config(cfg: EngineConfig, requests: list[dict[str, list[int]]]) -> En
     from mambacache.engine.pools import size_pools
 
     model_cfg = None
-    if not (cfg.cache.state_bytes and cfg.cache.kv_bytes_per_token):
+    cc = cfg.cache
+    if not (cc.state_bytes and cc.kv_bytes_per_token):
         from models.presets import get_preset
 
         model_cfg = get_preset(cfg.model.preset)
+    else:  # sizes and both pools given: size_pools keeps them, so say what they cap
+        from mambacache.cache.budget import warn_if_capped
+
+        warn_if_capped(cc, cc.kv_bytes_per_token * cc.page_size, cc.state_bytes, cc.memory_bytes)
     longest = max((len(r["prompt"]) + len(r["output"]) for r in requests), default=1)
     return size_pools(cfg, model_cfg, context_len=longest)[0]
 

@@ -18,16 +18,20 @@ slot_bytes``.
 weights and the step's peak temporaries (the numbers come from the plan / a measured step).
 ``plan_pools``: a ``CacheConfig`` + the model's byte sizes -> ``PoolPlan`` (explicit counts
 override the budget; a budget that cannot hold one request of the context plus the running
-slots is a ``ValueError`` with the numbers). Host only: no JAX.
+slots is a ``ValueError`` with the numbers; a budget that both explicit counts cap below its
+bytes is logged as a warning naming the cap). Host only: no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mambacache.config import CacheConfig
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 #: device pools are two fixed arrays (not rebalanced between steps): a budget is split so that
@@ -158,6 +162,7 @@ def plan_pools(cache_cfg: CacheConfig, page_bytes: int, slot_bytes: int, *, cont
             f"state slots x {slot_bytes} bytes = {need} bytes")
     budget = ByteBudget(limit, page_bytes, slot_bytes)
     if explicit_kv and explicit_slots:  # caps inside the shared budget
+        warn_if_capped(cache_cfg, page_bytes, slot_bytes, limit)
         return PoolPlan(cache_cfg.num_kv_tokens // ps, cache_cfg.num_mamba_slots, page_bytes,
                         slot_bytes, budget)
     if not explicit_kv and not explicit_slots and 0 < state_share < 1:
@@ -173,6 +178,23 @@ def plan_pools(cache_cfg: CacheConfig, page_bytes: int, slot_bytes: int, *, cont
         pages = (limit - slots * slot_bytes) // page_bytes
         return _checked(PoolPlan(pages, slots, page_bytes, slot_bytes), max_running, need_pages)
     return PoolPlan(budget.num_pages, budget.num_slots, page_bytes, slot_bytes, budget)
+
+
+def warn_if_capped(cache_cfg: CacheConfig, page_bytes: int, slot_bytes: int,
+                   limit: int) -> None:
+    """Log a warning when both explicit pool sizes of ``cache_cfg`` hold fewer bytes than the
+    budget ``limit``: the cache can use only what the two id ranges hold (a user who set a
+    budget would get a fraction of it without a word)."""
+    if not (cache_cfg.num_kv_tokens_set and cache_cfg.num_mamba_slots_set and limit):
+        return
+    cap = (cache_cfg.num_kv_tokens // cache_cfg.page_size * page_bytes
+           + cache_cfg.num_mamba_slots * slot_bytes)
+    if cap < limit:
+        logger.warning(
+            "cache budget %d bytes is capped at %d bytes (%.1f%%) by the explicit pool sizes "
+            "cache.num_kv_tokens = %d and cache.num_mamba_slots = %d; unset both (0) to derive "
+            "the pools from the budget", limit, cap, 100.0 * cap / limit,
+            cache_cfg.num_kv_tokens, cache_cfg.num_mamba_slots)
 
 
 def _checked(plan: PoolPlan, max_running: int, need_pages: int) -> PoolPlan:

@@ -20,15 +20,19 @@ newest (1) and efficiency is the prefill FLOPs a hit on the node saves per byte 
 normalised to [0, 1] over the candidates. Lowest score goes first. FLOPs saved by a state at depth
 ``d``: ``d * (1 + d / attn_quadratic_tokens)`` (linear layers ~ d, attention ~ d^2); bytes freed:
 ``state_bytes_in_tokens`` (a state's size in tokens of KV) plus the edge's KV if a leaf goes whole.
+``alpha = inf`` ranks by the product instead, ``(rank + 1) / n * FLOPs / bytes``: the expected
+saving per byte, the chance of a hit taken as the recency rank (a deep old state can outlive a
+shallow new one; the host tier's order too, ``saving_per_byte`` below).
 Pass ``alpha`` etc. through ``make_cache(..., eviction="flop_aware", alpha=2.0)``. The default
 ``alpha="auto"`` tunes it online (``tuning.py``: replay of recent requests on shadow caches, one
-per candidate alpha, as Marconi does), starting from 0 (recency only).
+per candidate alpha of 0, 0.25, 1, 4 and inf, as Marconi does), starting from 0 (recency only).
 
 The cache side, which removes what a policy names, is ``TreeEviction`` (``tree_eviction.py``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from mambacache.cache.node import unlocked_states
@@ -161,9 +165,13 @@ class FlopAwarePolicy(EvictionPolicy):
         if len(candidates) <= 1:
             return candidates
         eff = [self._flops(n) / self._bytes(n, cache) for n in candidates]
-        top = max(eff) or 1.0
-        last = len(candidates) - 1
-        scores = [i / last + self.alpha * e / top for i, e in enumerate(eff)]
+        if self.alpha == math.inf:  # expected saving per byte: recency rank x FLOPs per byte
+            n = len(candidates)
+            scores = [(i + 1) / n * e for i, e in enumerate(eff)]
+        else:
+            top = max(eff) or 1.0
+            last = len(candidates) - 1
+            scores = [i / last + self.alpha * e / top for i, e in enumerate(eff)]
         order = sorted(range(len(candidates)), key=scores.__getitem__)
         return [candidates[i] for i in order]
 
