@@ -90,6 +90,9 @@ def run_bench(setup: BenchSetup, *, progress: bool = True) -> dict[str, Any]:
     """Warm up, then time ``repeats`` alternating on/off pairs; the JSON-ready result."""
     from mambacache.engine.engine import Engine, load_model
 
+    from mambacache.engine.compile_cache import use_compile_cache
+
+    use_compile_cache(setup.engine.compile)  # the random init's compiles too
     t = time.perf_counter()
     model = load_model(setup.engine)
     load_s = time.perf_counter() - t

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     from mambacache.serve.app import create_app
     from mambacache.serve.tokenizer import load_tokenizer
 
+    log = logging.getLogger("mambacache.serve")
+    log.info("start: loading the model (%s)", cfg.model.path or cfg.model.preset)
+    t = time.perf_counter()
     engine = Engine(cfg)
+    log.info("start: weights loaded and cache sized in %.1f s: %d KV pages of %d tokens, %d "
+             "state slots, context length %d", time.perf_counter() - t, engine.cfg.cache.num_pages,
+             engine.cfg.cache.page_size, engine.cfg.cache.num_mamba_slots,
+             engine.model_cfg.max_position_embeddings)
     tokenizer = load_tokenizer(cfg.serve.tokenizer, cfg.model.path, engine.model_cfg.vocab_size)
     app = create_app(engine, tokenizer, cfg.serve, model_name=model_name(cfg))
     uvicorn.run(app, host=cfg.serve.host, port=cfg.serve.port, log_level=args.log_level)

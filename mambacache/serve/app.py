@@ -233,8 +233,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, serve_cfg: ServeConfig, *,
 
     @app.get("/health")
     async def health() -> Response:
-        if not server.loop.ready.is_set():
-            return JSONResponse({"status": "loading"}, status_code=503)
+        if not server.loop.ready.is_set():  # the stage: "compiled 7 of 30 programs (...)"
+            return JSONResponse({"status": "loading", "stage": server.loop.stage},
+                                status_code=503)
         if server.loop.warmup_error is not None:
             return JSONResponse({"status": "error", "error": server.loop.warmup_error},
                                 status_code=500)

@@ -91,6 +91,7 @@ class EngineLoop:
         self.warmup_logit_controls = warmup_logit_controls
         self.warmup_error: str | None = None
         self.warmup_report: dict[str, Any] = {}
+        self.stage = "starting"  # what the start is doing (``/health`` says it until ready)
         self.snapshot: dict[str, Any] = {}  # the engine's metrics() after a recent step
         self._snapshot_s = 0.0
         self.ready = threading.Event()
@@ -200,10 +201,12 @@ class EngineLoop:
         """Compile the configuration's step programs (``Engine.warmup``; an engine without it
         runs one short generation), then take the first metrics snapshot."""
         t = time.perf_counter()
+        self.set_stage("warm-up: compiling the step programs")
         try:
             if hasattr(self.engine, "warmup"):
                 controls = {"logit_controls": True} if self.warmup_logit_controls else {}
-                self.warmup_report = self.engine.warmup(self.warmup_max_seq_len, **controls)
+                self.warmup_report = self.engine.warmup(self.warmup_max_seq_len, **controls,
+                                                        progress=self.set_stage)
             else:
                 self.engine.generate([WARMUP_PROMPT], SamplingParams(max_new_tokens=2))
         except Exception as err:  # noqa: BLE001 - reported by /health, then served anyway
@@ -211,10 +214,16 @@ class EngineLoop:
             self.warmup_error = f"{type(err).__name__}: {err}"
         log.info("warm-up done in %.1f s: %s", time.perf_counter() - t, self.warmup_report)
 
+    def set_stage(self, line: str) -> None:
+        """The start's current stage (any thread; logged)."""
+        self.stage = line
+        log.info("start: %s", line)
+
     def _run(self) -> None:
         if self.warmup:
             self._warm_up()
         self._take_snapshot(force=True)
+        self.set_stage("ready")
         self.ready.set()
         while not self._stop:
             try:
