@@ -106,16 +106,16 @@ SIZES: dict[str, Sizes] = {
     "kimi_linear": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64,
                          key_heads=32, value_heads=32, head_k=128, head_v=128, conv_kernel=4,
                          q_heads=32, kv_heads=32, head_dim=192, page_size=16, max_context=4096,
-                         mla_heads=32, kv_lora_rank=512, qk_rope_dim=64, moe_hidden=2304,
-                         moe_experts=256, moe_top_k=8, moe_inter=1024,
-                         cases=("kda", "conv", "mla", "grouped_moe")),
-    # Qwen3.5-35B-A3B's MoE alone: hidden 2048, 256 experts, top 8, expert width 512
-    "qwen3_5_35b": Sizes(tokens=2048, seqs=4, snaps=4, slots=129, decode_batch=64, key_heads=16,
-                         value_heads=32, head_k=128, head_v=128, conv_kernel=4, q_heads=16,
-                         kv_heads=2, head_dim=256, page_size=16, max_context=4096,
-                         moe_hidden=2048, moe_experts=256, moe_top_k=8, moe_inter=512,
-                         cases=("grouped_moe",)),
+                         mla_heads=32, kv_lora_rank=512, qk_rope_dim=64,
+                         cases=("kda", "conv", "mla")),
 }
+# The MoE alone (grouped matmul) of two more models: Qwen3.5-35B-A3B (hidden 2048, 256 experts,
+# top 8, expert width 512) and Kimi-Linear-48B-A3B (2304, 256, top 8, 1024).
+SIZES["qwen3_5_35b"] = dataclasses.replace(SIZES["qwen3_next"], moe_hidden=2048, moe_experts=256,
+                                           moe_top_k=8, moe_inter=512, cases=("grouped_moe",))
+SIZES["kimi_linear_moe"] = dataclasses.replace(SIZES["qwen3_next"], moe_hidden=2304,
+                                               moe_experts=256, moe_top_k=8, moe_inter=1024,
+                                               cases=("grouped_moe",))
 
 Builder = Callable[[Sizes, jnp.dtype], tuple[tuple, dict]]
 CASES: dict[str, Builder] = {}
