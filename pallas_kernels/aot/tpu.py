@@ -70,8 +70,10 @@ def compile_for(fn, args, topology: str, dump_dir: str | None = None) -> dict:
     "bundles": {kernel: per-step estimate}}`` (bundles only with a dump dir)."""
     if dump_dir:
         _clear(dump_dir)
+    dev = device(topology)
     try:
-        jax.jit(fn).lower(*on_device(args, device(topology))).compile()
+        with tpu_target(dev.device_kind):  # JAX >= 0.12 asks the Mosaic target's generation
+            jax.jit(fn).lower(*on_device(args, dev)).compile()
     except Exception as e:  # noqa: BLE001 - the gate reports every failure as a table row
         return {"ok": False, "error": _first_line(e), "bundles": {}}
     bundles = {}
