@@ -9,6 +9,15 @@ import jax.numpy as jnp
 
 from pallas_kernels.fixed_order import row_sum
 
+HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # IEEE fp32 dots: no TF32
+
+
+def dot_precision(dtype) -> tuple | None:
+    """Precision of the dots over values computed from inputs of ``dtype``. fp32 means fp32 on
+    every backend: ``HIGHEST`` for fp32 inputs (a GPU would run ``DEFAULT`` fp32 dots in TF32,
+    a TPU in one bf16 pass); narrower inputs keep the backend's default (None)."""
+    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
 
 def interpret_default(family: str = "tpu") -> bool:
     """Run the ``family`` ("tpu": Mosaic, "gpu": Triton) kernels interpreted?

@@ -14,8 +14,10 @@ two-matmul state recurrence is sequential:
 3. ``_output_kernel``, grid ``(NC, Hv, Dv / BV)`` (parallel):
    ``o = exp(G) q S + (exp(G_i - G_j) q_i.k_j)_{j<=i} V'``.
 
-Dots outside the inverse use ``DOT_PRECISION`` (DEFAULT: tf32 tensor cores for fp32 operands on
-a GPU, exact fp32 in interpret mode); the inverse and ``L`` stay IEEE fp32 (``_HIGHEST``), where
+Dots outside the inverse take the precision of the inputs (``fast``): fp32 inputs ``F32_DOT``
+(3-pass tf32 on the tensor cores, hi/lo splits of each operand: about fp32, no tf32 rounding;
+exact fp32 when interpreted, the CPU has no tf32 passes), bf16 / f16 inputs the default (1-pass
+tf32 for the f32 operands). The inverse and ``L`` stay IEEE fp32 (``_HIGHEST``), where
 cancellation is. Dk, Dv need not be powers of two: loads and stores are masked.
 """
 
@@ -39,7 +41,7 @@ from pallas_kernels.reference.gated_delta_rule import check_gdr
 
 _F32 = jnp.float32
 _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)  # IEEE fp32 dots, no TF32
-DOT_PRECISION = None  # the parallel/state products: tf32 (fp32 in) or bf16 tensor cores on GPU
+F32_DOT = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # fp32 inputs, compiled: about fp32
 SUB = 16        # diagonal block of the blocked inverse (Triton's minimum dot size)
 BLOCK_V = 64    # value-dim tile of the state kernel and the output kernel
 NUM_WARPS = 8
@@ -52,16 +54,6 @@ def pow2_at_least_16(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False, precision=_HIGHEST):
-    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
-                               preferred_element_type=_F32)
-
-
-def _fast(a, b, **kw):
-    return _dot(a, b, precision=DOT_PRECISION, **kw)
-
-
 def padded_ds(size: int) -> pl.Slice:
     """``pl.ds(0, size)`` for a masked load or store whose tile may be wider than the ref's
     dim (a pow2 tile over Dk 24, say; Triton never touches masked elements). The start is an
@@ -70,6 +62,12 @@ def padded_ds(size: int) -> pl.Slice:
     array starts to the kernel. Triton gets ``start + make_range`` offsets; the interpreter
     pads the ref past the dim, where the mask discards."""
     return pl.ds(jnp.int32(0), size)
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False, precision=_HIGHEST):
+    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
+                               preferred_element_type=_F32)
 
 
 def unit_lower_inverse(lower):
@@ -120,7 +118,7 @@ def _wu_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                beta_ref,    # [T, Hv] f32
                w_ref,       # [T, Hv, Dk] f32 out: W = A (beta exp(G) k)
                u_ref,       # [T, Hv, Dv] f32 out: U = A (beta v)
-               *, bt: int, head_k_dim: int, block_k: int, block_dv: int, group: int):
+               *, bt: int, head_k_dim: int, block_k: int, block_dv: int, group: int, fast):
     c, h = pl.program_id(0), pl.program_id(1)
     tok0, count = cstart_ref[c], clen_ref[c]
     _, k, gcum, rmask = _load_chunk_qkg(q_ref, k_ref, g_ref, tok0, count, jax.lax.div(h, group),
@@ -136,8 +134,9 @@ def _wu_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     inv = unit_lower_inverse(beta * decay * _dot(k, k, trans_b=True))
     kmask = jnp.arange(block_k) < head_k_dim
     pltr.store(w_ref.at[tidx, h, padded_ds(block_k)],
-               _fast(inv, beta * jnp.exp(gcum)[:, None] * k), mask=rmask[:, None] & kmask[None, :])
-    pltr.store(u_ref.at[tidx, h, padded_ds(block_dv)], _fast(inv, beta * v),
+               _dot(inv, beta * jnp.exp(gcum)[:, None] * k, precision=fast),
+               mask=rmask[:, None] & kmask[None, :])
+    pltr.store(u_ref.at[tidx, h, padded_ds(block_dv)], _dot(inv, beta * v, precision=fast),
                mask=rmask[:, None] & vmask[None, :])
 
 
@@ -155,7 +154,7 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
                   vnew_ref,    # [T, Hv, Dv] f32 out: V' = U - W S
                   hs_ref,      # [NC, Hv, Dk, Dv] f32 out: state at each chunk start
                   pool_out,    # [N, Hv, Dk, Dv] f32 finals and snapshots
-                  *, bt: int, head_k_dim: int, block_k: int, block_v: int, group: int):
+                  *, bt: int, head_k_dim: int, block_k: int, block_v: int, group: int, fast):
     b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = cu_ref[b], cu_ref[b + 1]
     kmask = jnp.arange(block_k) < head_k_dim
@@ -173,14 +172,15 @@ def _state_kernel(cu_ref,      # [B+1] i32 packed sequence starts
         tidx, cid = pl.ds(tok0, bt), coff_ref[b] + c
         w = pltr.load(w_ref.at[tidx, h, kidx], mask=rmask[:, None] & kmask[None, :], other=0.0)
         tile = rmask[:, None] & vmask[None, :]
-        vnew = pltr.load(u_ref.at[tidx, h, vidx], mask=tile, other=0.0) - _fast(w, s0)
+        vnew = (pltr.load(u_ref.at[tidx, h, vidx], mask=tile, other=0.0)
+                - _dot(w, s0, precision=fast))
         pltr.store(vnew_ref.at[tidx, h, vidx], vnew, mask=tile)
         pltr.store(hs_ref.at[cid, h, kidx, vidx], s0, mask=smask)
 
         def state_after(r):  # state after the first r rows of the chunk (0..BT)
             g_r = jnp.sum(jnp.where(lane == r - 1, gcum, 0.0))
             wr = jnp.where(lane < r, jnp.exp(g_r - gcum), 0.0)
-            return jnp.exp(g_r) * s0 + _fast(k, wr[:, None] * vnew, trans_a=True)
+            return jnp.exp(g_r) * s0 + _dot(k, wr[:, None] * vnew, trans_a=True, precision=fast)
 
         def write_target(j, carry):
             slot = tslot_ref[j]
@@ -206,7 +206,7 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
                    vnew_ref,    # [T, Hv, Dv] f32 corrected values
                    hs_ref,      # [NC, Hv, Dk, Dv] f32 state at each chunk start
                    o_ref,       # [T, Hv, Dv] out (padding tokens left unwritten)
-                   *, bt: int, head_k_dim: int, block_k: int, block_v: int, group: int):
+                   *, bt: int, head_k_dim: int, block_k: int, block_v: int, group: int, fast):
     c, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tok0, count = cstart_ref[c], clen_ref[c]
     q, k, gcum, rmask = _load_chunk_qkg(q_ref, k_ref, g_ref, tok0, count, jax.lax.div(h, group),
@@ -221,7 +221,8 @@ def _output_kernel(cstart_ref,  # [NC] i32 first token of each chunk
     rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
     decay = jnp.exp(jnp.where(rows >= cols, gcum[:, None] - gcum[None, :], -jnp.inf))
-    o = jnp.exp(gcum)[:, None] * _fast(q, s0) + _fast(decay * _fast(q, k, trans_b=True), vnew)
+    o = (jnp.exp(gcum)[:, None] * _dot(q, s0, precision=fast)
+         + _dot(decay * _dot(q, k, trans_b=True, precision=fast), vnew, precision=fast))
     pltr.store(o_ref.at[tidx, h, vidx], o.astype(o_ref.dtype), mask=tile)
 
 
@@ -232,8 +233,9 @@ def _extend_call(cu_seqlens, read_slot, chunk_off, cseq, tstart, trow, tslot, q,
     num_chunks = cseq.shape[0]
     block_dv = pow2_at_least_16(dv)
     block_v = min(BLOCK_V, block_dv)
+    fast = (_HIGHEST if interpret else F32_DOT) if v.dtype == _F32 else None
     common = dict(bt=chunk_size, head_k_dim=dk, block_k=pow2_at_least_16(dk),
-                  group=num_heads // q.shape[1])
+                  group=num_heads // q.shape[1], fast=fast)
     params = pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     inner = (jnp.arange(num_chunks, dtype=jnp.int32) - chunk_off[cseq]) * chunk_size

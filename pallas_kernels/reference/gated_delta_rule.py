@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels._common import (
     check,
     check_chunk_size,
+    dot_precision,
     drop_slot,
     l2norm,
     state_targets,
@@ -32,16 +33,17 @@ def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int, *,
 
 
 def delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
-               beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+               beta: jax.Array, precision=None) -> tuple[jax.Array, jax.Array]:
     """One token for all heads. state ``[..., H, Dk, Dv]``; q, k ``[..., H, Dk]``; v ``[..., H,
     Dv]``; beta ``[..., H]``; g ``[..., H]`` (one decay per head) or ``[..., H, Dk]`` (per key
-    channel: KDA); all float32. Returns ``(new state, o [..., H, Dv])``."""
+    channel: KDA); all float32; ``precision`` of the two contractions (``dot_precision`` of the
+    inputs' dtype). Returns ``(new state, o [..., H, Dv])``."""
     decay = jnp.exp(g)
     state = (decay[..., None] if g.ndim == k.ndim else decay[..., None, None]) * state
-    kv = jnp.einsum("...kv,...k->...v", state, k)
+    kv = jnp.einsum("...kv,...k->...v", state, k, precision=precision)
     u = beta[..., None] * (v - kv)
     state = state + k[..., :, None] * u[..., None, :]
-    return state, jnp.einsum("...kv,...k->...v", state, q)
+    return state, jnp.einsum("...kv,...k->...v", state, q, precision=precision)
 
 
 def gated_delta_rule_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, read_slot,
@@ -72,7 +74,7 @@ def gated_delta_rule_extend_reference(q, k, v, g, beta, ssm_pool, cu_seqlens, re
         state, buf = carry
         qt, kt, vt, gt, bt, start, b, cap = xs
         state = jnp.where(start, init[b], state)
-        state, o = delta_step(state, qt, kt, vt, gt, bt)
+        state, o = delta_step(state, qt, kt, vt, gt, bt, dot_precision(v.dtype))
         buf = jax.lax.dynamic_update_index_in_dim(buf, state, cap, 0)
         return (state, buf), o
 
@@ -95,7 +97,7 @@ def gated_delta_rule_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, wri
     qe, ke = prepare_qk(q, k, v.shape[1], fixed_order=fixed_order)
     state = ssm_pool[read_slot]
     state, o = delta_step(state, qe, ke, v.astype(jnp.float32), g.astype(jnp.float32),
-                          beta.astype(jnp.float32))
+                          beta.astype(jnp.float32), dot_precision(v.dtype))
     pool = ssm_pool.at[drop_slot(write_slot, ssm_pool.shape[0])].set(state, mode="drop")
     return o.astype(v.dtype), pool
 

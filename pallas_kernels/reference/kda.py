@@ -22,10 +22,12 @@ factorised ``exp(G_i) exp(-G_j)``, which is inf for ``|G| > 88``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check
+from pallas_kernels._common import check, dot_precision
 from pallas_kernels.reference.gated_delta_rule import (
     gated_delta_rule_decode_reference,
     gated_delta_rule_extend_reference,
@@ -68,8 +70,11 @@ def kda_decode_reference(q, k, v, g, beta, ssm_pool, read_slot, write_slot, *,
 def kda_chunk_reference(q, k, v, g, beta, state, *, chunk_size: int = 16):
     """One sequence in chunks (the module docstring's form). q, k, g ``[T, H, Dk]``; v
     ``[T, H, Dv]``; beta ``[T, H]``; state ``[H, Dk, Dv]`` f32. Returns ``(o [T, H, Dv] f32,
-    final state, chunk-start states [NC, H, Dk, Dv])``; T is zero-padded to whole chunks."""
+    final state, chunk-start states [NC, H, Dk, Dv])``; T is zero-padded to whole chunks. Dots
+    at ``dot_precision(q.dtype)`` (fp32: HIGHEST)."""
     t, h, dk = q.shape
+    prec = dot_precision(q.dtype)
+    mm = functools.partial(jnp.matmul, precision=prec)
     pad = -t % chunk_size
     qn, kn = prepare_qk(q, k, h)
 
@@ -85,17 +90,18 @@ def kda_chunk_reference(q, k, v, g, beta, state, *, chunk_size: int = 16):
         qi, ki, vi, gi, bi = xs                                      # [H, BT, ...]
         diff = gi[:, :, None, :] - gi[:, None, :, :]                 # [H, i, j, Dk]
         decay = jnp.exp(jnp.where(lower[..., None], diff, -jnp.inf))
-        a = bi[..., None] * jnp.einsum("hic,hjc,hijc->hij", ki, ki, decay)
+        a = bi[..., None] * jnp.einsum("hic,hjc,hijc->hij", ki, ki, decay, precision=prec)
         tmat = jnp.linalg.inv(jnp.eye(chunk_size) + a)
-        w = tmat @ (bi[..., None] * ki * jnp.exp(gi))
-        u = tmat @ (bi[..., None] * vi)
-        v_new = u - w @ s0
+        w = mm(tmat, bi[..., None] * ki * jnp.exp(gi))
+        u = mm(tmat, bi[..., None] * vi)
+        v_new = u - mm(w, s0)
         causal = jnp.exp(jnp.where((lower | jnp.eye(chunk_size, dtype=bool))[..., None], diff,
                                    -jnp.inf))
-        attn = jnp.einsum("hic,hjc,hijc->hij", qi, ki, causal)
-        o = (qi * jnp.exp(gi)) @ s0 + attn @ v_new
+        attn = jnp.einsum("hic,hjc,hijc->hij", qi, ki, causal, precision=prec)
+        o = mm(qi * jnp.exp(gi), s0) + mm(attn, v_new)
         last = gi[:, -1:, :]                                         # [H, 1, Dk]
-        s1 = jnp.exp(last[:, 0, :, None]) * s0 + jnp.swapaxes(ki * jnp.exp(last - gi), 1, 2) @ v_new
+        s1 = jnp.exp(last[:, 0, :, None]) * s0 + mm(jnp.swapaxes(ki * jnp.exp(last - gi), 1, 2),
+                                                    v_new)
         return s1, (o, s0)
 
     final, (o, starts) = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, vc, gcum, bc))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check, token_seq_ids
+from pallas_kernels._common import check, dot_precision, token_seq_ids
 from pallas_kernels.fixed_order import softmax
 
 
@@ -39,12 +39,13 @@ def paged_attention_reference(q, k_pages, v_pages, cu_seqlens, seq_lens, page_ta
 
     q ``[T, Hq, D]``; pages ``[N, page_size, Hkv, D]``; page_table ``[B, P]``. Returns
     ``[T, Hq, D]`` in q.dtype, 0 for padding tokens. ``fixed_order``: the softmax's sum in a
-    fixed tree (``model.deterministic``).
+    fixed tree (``model.deterministic``). Dots at ``dot_precision(q.dtype)`` (fp32: HIGHEST).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = num_q_heads // num_kv_heads
     seq, pos, valid = token_positions(cu_seqlens, seq_lens, num_tokens)
+    precision = dot_precision(q.dtype)
 
     def one(args):
         qt, b, p = args                                            # [Hq, D], (), ()
@@ -52,10 +53,11 @@ def paged_attention_reference(q, k_pages, v_pages, cu_seqlens, seq_lens, page_ta
         kt = k_pages[pages].reshape(-1, num_kv_heads, head_dim).astype(jnp.float32)
         vt = v_pages[pages].reshape(-1, num_kv_heads, head_dim).astype(jnp.float32)
         qg = qt.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
-        s = jnp.einsum("hgd,lhd->hgl", qg, kt) * scale
+        s = jnp.einsum("hgd,lhd->hgl", qg, kt, precision=precision) * scale
         s = jnp.where(jnp.arange(kt.shape[0]) <= p, s, -jnp.inf)
         w = softmax(s, fixed_order=fixed_order)
-        return jnp.einsum("hgl,lhd->hgd", w, vt).reshape(num_q_heads, head_dim)
+        return jnp.einsum("hgl,lhd->hgd", w, vt, precision=precision).reshape(num_q_heads,
+                                                                              head_dim)
 
     del page_size
     o = jax.lax.map(one, (q, seq, pos), batch_size=min(num_tokens, 32))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check, drop_slot, state_targets, token_seq_ids
+from pallas_kernels._common import check, dot_precision, drop_slot, state_targets, token_seq_ids
 
 F32 = jnp.float32
 
@@ -32,13 +32,13 @@ def expand_groups(b: jax.Array, num_heads: int) -> jax.Array:
 
 
 def ssd_step(state: jax.Array, x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array,
-             c: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
+             c: jax.Array, d: jax.Array, precision=None) -> tuple[jax.Array, jax.Array]:
     """One token for all heads, float32. state ``[..., H, N, P]``; x ``[..., H, P]``; dt
     ``[..., H]``; a, d ``[H]``; b, c ``[..., H, N]`` (expanded). Returns ``(state, y [..., H,
     P])``."""
     state = jnp.exp(dt * a)[..., None, None] * state
     state = state + (dt[..., None] * b)[..., :, None] * x[..., None, :]
-    y = jnp.einsum("...np,...n->...p", state, c) + d[:, None] * x
+    y = jnp.einsum("...np,...n->...p", state, c, precision=precision) + d[:, None] * x
     return state, y
 
 
@@ -79,7 +79,7 @@ def ssd_extend_reference(x, dt, a, b, c, d, ssm_pool, cu_seqlens, read_slot, wri
         state, buf = carry
         xt, dtt, bt, ct, start, s, cap = xs
         state = jnp.where(start, init[s], state)
-        state, y = ssd_step(state, xt, dtt, a32, bt, ct, d32)
+        state, y = ssd_step(state, xt, dtt, a32, bt, ct, d32, dot_precision(x.dtype))
         buf = jax.lax.dynamic_update_index_in_dim(buf, state, cap, 0)
         return (state, buf), y
 
@@ -102,7 +102,7 @@ def ssd_decode_reference(x, dt, a, b, c, d, ssm_pool, read_slot, write_slot):
     num_heads = x.shape[1]
     state, y = ssd_step(ssm_pool[read_slot], x.astype(F32), dt.astype(F32), a.astype(F32),
                         expand_groups(b, num_heads), expand_groups(c, num_heads),
-                        d.astype(F32))
+                        d.astype(F32), dot_precision(x.dtype))
     pool = ssm_pool.at[drop_slot(write_slot, ssm_pool.shape[0])].set(state, mode="drop")
     return y.astype(x.dtype), pool
 
