@@ -10,8 +10,9 @@ cached on its own pages and slot; prefill: ``n x L`` sequences from scratch). Fo
 set it times the jitted ``models.forward`` (pools donated, as the engine runs it) for decode and
 prefill, and the first MoE feed-forward alone at the decode and prefill token counts with
 every form (``pallas``: the grouped matmul kernel; ``reference``: every expert on every token;
-``ragged_dot``: sort + two ``lax.ragged_dot``): the median of ``--iters`` calls after a warm-up
-(compile) call, each ended by ``block_until_ready``. Each time is printed beside the byte and
+``ragged_dot``: sort + two ``lax.ragged_dot``). Every program is lowered and compiled first, in
+``--compile-threads`` threads; then each is timed: the median of ``--iters`` calls after a
+warm-up call, each ended by ``block_until_ready``. Each time is printed beside the byte and
 FLOP model of ``step_cost.py`` and, on a known device (``pallas_kernels.bench.ROOFLINES``:
 H100, H200, TPU v5e, v6e, ...), the floor ``max(bytes / HBM, FLOPs / peak)`` and the fraction
 of it reached. On CPU no roofline is reported (and the Pallas kernels run interpreted).
@@ -25,6 +26,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -120,10 +122,21 @@ def _batches(cfg: ModelConfig, rows: int, context: int, prefill: list[int], page
         build_forward_batch(prefill_specs, page_size) if prefill else None)
 
 
-def _timed_step(params, pools, batch, cfg: ModelConfig, kernels: str, decode: bool,
-                iters: int) -> tuple[float, PoolState]:
-    step = jax.jit(partial(forward, cfg=cfg, kernels=kernels, decode=decode),
-                   donate_argnums=(1,))
+def compile_all(programs: dict[str, tuple[Callable, tuple]], threads: int) -> dict[str, Any]:
+    """``{name: (jitted fn, args)}`` -> ``{name: compiled}``, lowered and compiled in
+    ``threads`` threads (XLA and Triton compile outside the GIL: the programs of a real-size
+    model take minutes one after another)."""
+    def one(item):
+        fn, args = item
+        return fn.lower(*args).compile()
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        done = dict(zip(programs, pool.map(one, programs.values()), strict=True))
+    return done
+
+
+def _timed_step(step, params, pools, batch, iters: int) -> tuple[float, PoolState]:
+    """Median seconds of the compiled ``step`` (pools donated, threaded through the calls)."""
     state = {"pools": pools}
 
     def call():
@@ -133,16 +146,21 @@ def _timed_step(params, pools, batch, cfg: ModelConfig, kernels: str, decode: bo
     return _median_s(call, iters), state["pools"]
 
 
+def moe_program(cfg: ModelConfig, params: dict[str, Any], num_tokens: int,
+                form: str) -> tuple[Callable, tuple]:
+    """The first MoE feed-forward (the family's ``ffn``) with ``form`` (``MOE_FORMS``) on
+    ``num_tokens`` random tokens: ``(jitted fn, args)``."""
+    layer = params["layers"][cfg.mlp_types.index("moe")]
+    x = jax.random.normal(jax.random.key(7), (num_tokens, cfg.hidden_size),
+                          params["embed"].dtype)
+    return jax.jit(lambda layer, x: cfg.model_family.ffn(cfg, layer, x, form, None)), (layer, x)
+
+
 def time_moe(cfg: ModelConfig, params: dict[str, Any], num_tokens: int, form: str,
              iters: int) -> float:
-    """Median seconds of the first MoE feed-forward (the family's ``ffn``) on ``num_tokens``
-    random tokens with ``form`` (``MOE_FORMS``)."""
-    i = cfg.mlp_types.index("moe")
-    layer = params["layers"][i]
-    dtype = params["embed"].dtype
-    x = jax.random.normal(jax.random.key(7), (num_tokens, cfg.hidden_size), dtype)
-    ffn = jax.jit(lambda layer, x: cfg.model_family.ffn(cfg, layer, x, form, None))
-    return _median_s(lambda: ffn(layer, x), iters)
+    """Median seconds of ``moe_program``."""
+    fn, args = moe_program(cfg, params, num_tokens, form)
+    return _median_s(lambda: fn(*args), iters)
 
 
 def _entry(seconds: float, cost: step_cost.Cost, peak: tuple | None, dtype: str,
@@ -185,22 +203,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               args.page_size)
     costs = {"decode": step_cost.decode_cost(cfg, args.rows, args.context, itemsize),
              "prefill": step_cost.prefill_cost(cfg, lens, itemsize)}
-    for kernels in args.kernels.split(","):
-        pools = PoolState.create(cfg, num_pages, args.page_size, num_slots, dtype)
-        for phase, batch, tokens in (("decode", dec, args.rows), ("prefill", pre, sum(lens))):
-            if batch is None:
-                continue
-            seconds, pools = _timed_step(params, pools, batch, cfg, kernels,
-                                         phase == "decode", args.iters)
-            out["steps"][f"{phase}/{kernels}"] = _entry(seconds, costs[phase], peak, name,
-                                                        tokens)
-    if "moe" in cfg.mlp_types:
-        layer_shapes = param_shapes(cfg)["layers"][cfg.mlp_types.index("moe")]["moe"]
-        for tokens in sorted({t for t in (args.rows, sum(lens)) if t}):
-            cost = step_cost.moe_layer_cost(cfg, layer_shapes, tokens, itemsize)
-            for form in args.moe_forms.split(","):
-                seconds = time_moe(cfg, params, tokens, form, args.iters)
-                out["moe"][f"{tokens}/{form}"] = _entry(seconds, cost, peak, name, tokens)
+    phases = [(p, b, t) for p, b, t in (("decode", dec, args.rows), ("prefill", pre, sum(lens)))
+              if b is not None]
+    pools = {k: PoolState.create(cfg, num_pages, args.page_size, num_slots, dtype)
+             for k in args.kernels.split(",")}
+    programs = {f"{phase}/{k}": (jax.jit(partial(forward, cfg=cfg, kernels=k,
+                                                 decode=phase == "decode"),
+                                         donate_argnums=(1,)), (params, pools[k], batch))
+                for k in pools for phase, batch, _ in phases}
+    moe_tokens = sorted({t for t in (args.rows, sum(lens)) if t}) if "moe" in cfg.mlp_types else []
+    for tokens in moe_tokens:
+        for form in args.moe_forms.split(","):
+            programs[f"moe/{tokens}/{form}"] = moe_program(cfg, params, tokens, form)
+    start = time.perf_counter()
+    compiled = compile_all(programs, args.compile_threads)
+    out["compile_s"] = time.perf_counter() - start
+    for k in pools:
+        for phase, batch, tokens in phases:
+            seconds, pools[k] = _timed_step(compiled[f"{phase}/{k}"], params, pools[k], batch,
+                                            args.iters)
+            out["steps"][f"{phase}/{k}"] = _entry(seconds, costs[phase], peak, name, tokens)
+    for tokens in moe_tokens:
+        shapes = param_shapes(cfg)["layers"][cfg.mlp_types.index("moe")]["moe"]
+        cost = step_cost.moe_layer_cost(cfg, shapes, tokens, itemsize)
+        for form in args.moe_forms.split(","):
+            _, fn_args = programs[f"moe/{tokens}/{form}"]
+            exe = compiled[f"moe/{tokens}/{form}"]
+            seconds = _median_s(lambda exe=exe, a=fn_args: exe(*a), args.iters)
+            out["moe"][f"{tokens}/{form}"] = _entry(seconds, cost, peak, name, tokens)
     return out
 
 
@@ -211,7 +241,8 @@ def _fmt(v: float | None, spec: str) -> str:
 def table(result: dict[str, Any]) -> str:
     """The text table: time, the model's bytes and FLOPs, floor and fraction per entry."""
     lines = [f"{result['preset']} on {result['device']} ({result['dtype']}), random weights "
-             f"drawn in {result['init_s']:.1f} s",
+             f"drawn in {result['init_s']:.1f} s, {len(result['steps']) + len(result['moe'])} "
+             f"programs compiled in {result['compile_s']:.1f} s",
              f"{'what':<24}{'ms':>10}{'tok/s':>12}{'GB':>9}{'TFLOP':>9}{'floor ms':>10}"
              f"{'of roof':>9}"]
     for group in ("steps", "moe"):
@@ -237,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-threads", type=int, default=8,
+                   help="programs lowered and compiled at once")
     p.add_argument("--out", help="write the results as one JSON object")
     args = p.parse_args(argv)
     if args.prefill and (len(args.prefill.split("x")) != 2
