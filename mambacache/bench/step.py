@@ -178,7 +178,7 @@ def check_fits(cfg: ModelConfig, itemsize: int, device: Any) -> None:
     report a limit (CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
-    weights = sum(math.prod(s) for _, s in step_cost._leaves(cfg)) * itemsize
+    weights = sum(math.prod(s) for _, s in step_cost.param_leaves(cfg)) * itemsize
     if limit and weights > 0.9 * limit:
         raise ValueError(f"the weights ({weights / 1e9:.1f} GB) exceed 90% of the device's "
                          f"{limit / 1e9:.1f} GB")

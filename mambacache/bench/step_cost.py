@@ -62,7 +62,7 @@ def touched_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
-def _leaves(cfg: ModelConfig):
+def param_leaves(cfg: ModelConfig):
     """``(path names, shape)`` of every parameter leaf."""
     flat = jax.tree_util.tree_flatten_with_path(
         param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and all(
@@ -83,7 +83,7 @@ def weights_cost(cfg: ModelConfig, num_tokens: int, num_logits: int, itemsize: i
     h, e, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
     touched = touched_experts(num_tokens, e, k)
     nbytes = flops = 0.0
-    for names, shape in _leaves(cfg):
+    for names, shape in param_leaves(cfg):
         size = math.prod(shape)
         if names[-1] == "embed":
             nbytes += num_tokens * h * itemsize
