@@ -18,7 +18,7 @@ CFG = PRESETS["tiny_qwen3_5_moe"]
 
 def _sizes():
     """(all parameter elements, expert elements, embedding elements) of the tiny preset."""
-    leaves = list(step_cost._leaves(CFG))
+    leaves = list(step_cost.param_leaves(CFG))
     total = sum(math.prod(s) for _, s in leaves)
     experts = sum(math.prod(s) for n, s in leaves if step_cost._is_expert(n, s, CFG))
     embed = sum(math.prod(s) for n, s in leaves if n[-1] == "embed")
@@ -39,7 +39,7 @@ def test_weight_bytes_count_only_touched_experts():
     e, k, h = CFG.num_experts, CFG.num_experts_per_tok, CFG.hidden_size
     cost = step_cost.weights_cost(CFG, 1, 1, 4)
     assert cost.weight_bytes == pytest.approx(4 * (total - embed - experts * (1 - k / e) + h))
-    vectors = sum(math.prod(s) for n, s in step_cost._leaves(CFG) if len(s) < 2)
+    vectors = sum(math.prod(s) for n, s in step_cost.param_leaves(CFG) if len(s) < 2)
     assert cost.flops == pytest.approx(2 * (total - embed - vectors - experts * (1 - k / e)))
     many = step_cost.weights_cost(CFG, 100_000, 1, 2)
     assert many.weight_bytes == pytest.approx(2 * (total - embed + 100_000 * h), rel=1e-9)
