@@ -102,23 +102,3 @@ def test_shadows_replay_with_the_requests_in_flight():
     replay(cache, reqs, concurrency=4)
     assert cache.policy.tuner.concurrency() == 4
     cache.check_integrity()
-
-
-def test_a_window_of_few_hits_does_not_undo_a_settled_ranking(monkeypatch):
-    """Each tuning decides on its window's shadow hits + SCORE_DECAY x the last scores: after a
-    window where inf won clearly, a window of few hits that alpha 4 wins keeps inf (by hits
-    alone it would switch, as it did late on ShareGPT chat at 1 GB)."""
-    import math
-
-    from mambacache.cache import tuning
-
-    windows = iter([[100, 100, 100, 100, 200], [40, 40, 40, 50, 39]])
-    row = []
-    monkeypatch.setattr(tuning, "shadow_hits",
-                        lambda cache, reqs, start, alpha, conc: row.pop(0) if row else 0)
-    tuner = AlphaTuner(margin=0.0)
-    assert tuner.grid == GRID and GRID[-1] == math.inf
-    for want in (math.inf, math.inf):
-        row[:] = next(windows)
-        assert tuner.tune(None) == want
-    assert tuning.SCORE_DECAY * 200 + 39 > tuning.SCORE_DECAY * 100 + 50  # the arithmetic

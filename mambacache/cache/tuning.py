@@ -12,9 +12,7 @@ switches to its candidate and the second half is scored by the prompt tokens its
 So a switch is scored with its own cost (a tree grown under recency, then ranked by FLOPs per
 byte, loses the sessions that come back: docs/bench.md 2026-12-02), and staying is a candidate
 like any other. A candidate wins if it beats the alpha in use by more than ``margin``
-(relative), else the alpha in use stays: a shadow replay is a noisy predictor; for the same
-reason a candidate's score is its hits in this window plus ``SCORE_DECAY`` of its score at the
-last tuning, so a window of few hits cannot undo what many agreed on. Until the first
+(relative), else the alpha in use stays: a shadow replay is a noisy predictor. Until the first
 tuning ``alpha`` is ``start`` (default ``grid[0]``: 0, exactly LRU).
 
 Host cost: ``len(grid) * window`` replayed requests every ``every`` requests, in the request that
@@ -38,10 +36,6 @@ if TYPE_CHECKING:
 #: candidate alphas; ``inf``: the product ranking, expected saving per byte (``eviction.py``):
 #: ShareGPT chat 1 conv/s, 7B mapping, 5 GB 19.75 -> 23.28 % one at a time (docs/bench.md)
 GRID = (0.0, 0.25, 1.0, 4.0, math.inf)
-#: a tuning decides on this window's shadow hits + SCORE_DECAY x the previous scores: ShareGPT
-#: chat 0.1 conv/s, 1 GB, one at a time, a late window of few hits switched inf -> 4 and cost
-#: 44.31 -> 41.69 % (docs/bench.md 2026-12-04)
-SCORE_DECAY = 0.25
 
 
 class RequestLog:
@@ -101,7 +95,6 @@ class AlphaTuner(RequestLog):
         self.margin = margin
         self.confirm = max(1, confirm)
         self._last, self._wins = None, 0  # the last tuning's winner, its wins in a row
-        self._scores: list[float] = []  # per alpha: decayed sum of the shadows' hits
         self.alpha = self.grid[0] if start is None else start
         if self.alpha not in self.grid:
             raise ValueError(f"alpha tuning starts from an alpha of its grid {self.grid}, "
@@ -109,21 +102,15 @@ class AlphaTuner(RequestLog):
         self.history: list[tuple[int, float, list[int]]] = []  # (matches, alpha, hits per alpha)
 
     def tune(self, cache: Any) -> float:
-        """Replay the window once per alpha of the grid (``concurrency()`` in flight) and add
-        its hits to each alpha's score (the old score times ``SCORE_DECAY``); the best-scored
+        """Replay the window once per alpha of the grid (``concurrency()`` in flight); the best
         alpha is adopted once it has won ``confirm`` tunings in a row by more than ``margin``
         over ``grid[0]``; a tuning without a clear winner goes back to ``grid[0]``. Returns
         the alpha in use."""
         reqs = list(self.requests)
         conc = self.concurrency()
         hits = [shadow_hits(cache, reqs, len(reqs) // 2, alpha, conc) for alpha in self.grid]
-        # decide on the hits of this window plus SCORE_DECAY of the last decision's scores:
-        # one window of a few hits cannot undo a ranking many windows agreed on
-        self._scores = [SCORE_DECAY * old + h for old, h in
-                        zip(self._scores or [0.0] * len(hits), hits, strict=True)]
-        score = self._scores
-        best = max(range(len(score)), key=lambda i: (score[i], -i))
-        if score[best] <= score[0] * (1 + self.margin):
+        best = max(range(len(hits)), key=lambda i: (hits[i], -i))
+        if hits[best] <= hits[0] * (1 + self.margin):
             best = 0
         self._wins = self._wins + 1 if self.grid[best] == self._last else 1
         self._last = self.grid[best]
