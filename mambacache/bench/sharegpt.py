@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from mambacache.bench.items import BenchItem, check_ints
+
 Turn = tuple[str, str]  # (user text, assistant text)
 TokenTurn = tuple[list[int], list[int]]  # (prompt part ids, output ids)
 TOKENIZERS = {"qwen3.5": "qwen3.5-27b", "qwen3-next": "qwen2.5-72b-instruct"}
@@ -199,8 +201,6 @@ class ShareGPTChat:
     skip: int = 0
 
     def __post_init__(self):
-        from mambacache.bench.workloads import check_ints
-
         check_ints(self, ("num_conversations", "min_turns", "max_turns", "max_context",
                           "max_output_len"), 1)
         check_ints(self, ("skip",), 0)
@@ -226,14 +226,10 @@ class ChatSource:
         self.total = sum(len(t) for t in turns)
 
     def start(self) -> list[Any]:
-        from mambacache.bench.workloads import BenchItem
-
         return [BenchItem(list(t[0][0]), t[0][1], client=c, turn=0)
                 for c, t in enumerate(self.turns)]
 
     def follow_up(self, item: Any, output_ids: list[int]) -> Any:
-        from mambacache.bench.workloads import BenchItem
-
         turns, k = self.turns[item.client], item.turn + 1
         if k >= len(turns):
             return None

@@ -20,35 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from mambacache.bench.items import BenchItem, check_ints
+from mambacache.bench.items import require as _require
+from mambacache.bench.sharegpt import ShareGPTChat
 from mambacache.config import build_sections
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-def check_ints(obj: Any, names: Sequence[str], minimum: int, section: str = "workload") -> None:
-    """``ValueError`` unless each field in ``names`` is an int (not a bool) >= ``minimum``."""
-    for name in names:
-        value = getattr(obj, name)
-        _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-                 f"{section}.{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_ratio(value: Any) -> None:
     _require(isinstance(value, int | float) and 0.0 <= value <= 1.0,
              f"workload.range_ratio must be in [0, 1], got {value!r}")
-
-
-@dataclasses.dataclass
-class BenchItem:
-    """One request to send: ``prompt`` int ids, ``max_new_tokens``, owner ``client``, ``turn``."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    client: int = 0
-    turn: int = 0
 
 
 def _lengths(rng: np.random.Generator, full: int, ratio: float, n: int, minimum: int = 0):
@@ -282,13 +262,7 @@ WORKLOADS: dict[str, type] = {
 }
 
 
-def _register_sharegpt() -> None:
-    from mambacache.bench.sharegpt import ShareGPTChat  # imports this module only when called
-
-    WORKLOADS["sharegpt"] = ShareGPTChat
-
-
-_register_sharegpt()
+WORKLOADS["sharegpt"] = ShareGPTChat  # real conversations: ``sharegpt.py``
 
 
 def workload_from_dict(data: dict[str, Any]) -> Any:
