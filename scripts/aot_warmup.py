@@ -11,6 +11,10 @@ lowered on abstract sharded params and pools (``parallel/sizing.step_args``: not
 allocated) and compiled for the topology's compile-only devices, ``--threads`` at a time,
 largest first (``--limit N``: the N largest). Prints each program's seconds and whether it came
 from the cache, then the total wall and CPU time. Needs the ``aot`` extra.
+
+libtpu's compile-only client writes cache entries but cannot load them ("PjRtCompiler must be
+constructed with a Client to call DeserializeLoadedExecutable", jax 0.10.2 / libtpu 0.0.42):
+a second run compiles again, so from-the-cache numbers need a TPU host.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ a miss, never a stale hit. The Pallas kernels are part of it: on TPU the Mosaic 
 calls that libtpu compiles into the executable; on GPU the Triton kernels are compiled to cubins
 by XLA into the executable (and the fused GEMMs' autotuning results go to XLA's own cache beside
 it, ``jax_persistent_cache_enable_xla_caches``); on CPU the kernels run interpreted, lowered to
-plain XLA ops of the same program. Programs with host callbacks are not cached by JAX.
+plain XLA ops of the same program. Programs with host callbacks are not cached by JAX. libtpu's
+compile-only topologies (the plan's) write entries but cannot load them back (no client to
+deserialize into), so the plan uses the cache only for ``--topology local``.
 
 Invariants: process-wide (JAX's config), set once per directory: pointing it elsewhere resets
 JAX's cache object so the next compile uses the new one. Host only, no device allocation.

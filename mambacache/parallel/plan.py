@@ -323,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     _force_cpu_devices(opts.topology)
     try:
         cfg = EngineConfig.load(opts.config, parse_set_args(opts.set))
-        from mambacache.engine.compile_cache import use_compile_cache
+        if opts.topology == "local":  # a compile-only client cannot load a cached program
+            from mambacache.engine.compile_cache import use_compile_cache
 
-        use_compile_cache(cfg.compile)  # a second plan of the same config compiles nothing
+            use_compile_cache(cfg.compile)  # a second plan of the same config compiles nothing
         result = plan(cfg, opts.topology, context_len=opts.context_len)
     except ValueError as e:
         print(f"error: {e}")
