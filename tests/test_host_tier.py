@@ -8,8 +8,9 @@ import pytest
 
 from mambacache.bench.baselines import budget_row, host_markdown
 from mambacache.cache.budget import ByteBudget
+from mambacache.cache.from_config import make_cache_from_config
 from mambacache.cache.host_tier import attach_host_tier
-from mambacache.cache.radix import make_cache, make_cache_from_config
+from mambacache.cache.radix import make_cache
 from mambacache.cache.replay import as_requests, replay
 from mambacache.config import CacheConfig
 from tests.radix_helpers import serve

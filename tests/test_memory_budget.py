@@ -10,7 +10,8 @@ import pytest
 
 from mambacache.cache.budget import ByteBudget, budget_from_fraction, plan_pools
 from mambacache.cache.eviction import FlopAwarePolicy, LRUPolicy
-from mambacache.cache.radix import make_cache, make_cache_from_config
+from mambacache.cache.from_config import make_cache_from_config
+from mambacache.cache.radix import make_cache
 from mambacache.cache.replay import replay
 from mambacache.config import CacheConfig
 

@@ -194,7 +194,7 @@ def test_states_only_at_branch_points_and_ends_when_off(page_size):
 
 
 def test_config_reaches_the_cache():
-    from mambacache.cache.radix import make_cache_from_config
+    from mambacache.cache.from_config import make_cache_from_config
     from mambacache.config import CacheConfig
 
     assert CacheConfig().checkpoint_interval == 256 and CacheConfig().speculative_states

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from mambacache.cache.budget import ByteBudget
+from mambacache.cache.from_config import make_cache_from_config
 from mambacache.cache.node import MatchResult, as_tokens, path_pages
-from mambacache.cache.radix import MambaRadixCache, make_cache_from_config
+from mambacache.cache.radix import MambaRadixCache
 from mambacache.cache.replay import as_requests, replay
 from mambacache.config import CacheConfig, EngineConfig, apply_overrides, parse_set_args
 

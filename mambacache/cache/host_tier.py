@@ -44,6 +44,7 @@ import numpy as np
 from mambacache.cache.allocator import TREE
 from mambacache.cache.budget import ByteBudget
 from mambacache.cache.node import Node, as_tokens, path_pages, path_root, path_tokens
+from mambacache.cache.radix import MambaRadixCache
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 #: the host tree's eviction order (``eviction.py``): expected saving per byte held
@@ -71,8 +72,6 @@ class HostTier:
     """A host tree behind a device tree; see the module docstring."""
 
     def __init__(self, device: Any, budget: ByteBudget, eviction: str = HOST_EVICTION):
-        from mambacache.cache.radix import MambaRadixCache
-
         if not isinstance(device, MambaRadixCache):
             raise ValueError(f"a host tier needs a radix cache on the device, got {device!r}")
         self.device = device

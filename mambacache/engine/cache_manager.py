@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from mambacache.cache.base import CacheBase
+from mambacache.cache.from_config import make_cache_from_config
 from mambacache.cache.node import MatchResult
-from mambacache.cache.radix import make_cache_from_config
 from mambacache.config import CacheConfig
 from mambacache.engine.lease import Lease
 from mambacache.engine.request import Request, Status

@@ -30,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
-from mambacache.cache.radix import make_cache_from_config
+from mambacache.cache.from_config import make_cache_from_config
 from mambacache.cache.state import check_room, check_tree_data, dump_tree, load_tree
 
 if TYPE_CHECKING:
