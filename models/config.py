@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from models.family_registry import detect_family, get_family
+
 LAYER_TYPES = ("linear_attention", "full_attention", "none")  # none: Nemotron-H MLP-only blocks
 
 
@@ -132,7 +134,6 @@ class ModelConfig:
     def model_family(self) -> Any:
         """The ``models.families.Family`` object of ``family`` (its parsing, layout, loader
         names and blocks)."""
-        from models.families import get_family
         return get_family(self.family)
 
     # ---- derived sizes (the pools and the model read these) ----
@@ -197,5 +198,4 @@ class ModelConfig:
     def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict; the family (``models/families/``)
         reads its own keys (a VL config's ``text_config``, transformers' JSON quirks)."""
-        from models.families import detect_family
         return cls(**detect_family(hf).config_fields(hf))
