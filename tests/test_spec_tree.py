@@ -326,3 +326,15 @@ def test_tensor_parallel():
         assert r["tokens"] == r["ref"] and r["diff"] <= 1e-4, (name, r)
         assert r["rows"] > r["verifies"] > 0, (name, r)
     assert res["ngram"]["wins"] > 0, res
+
+
+def test_warmup_compiles_the_branch_page_copy():
+    """A tree at page size > 1 copies each branch's first page before its step
+    (``Runner.copy_pages``): the warm-up compiles that program too, so the first tree step
+    compiles nothing while serving."""
+    eng = make_engine(**{**TREE, "cache.page_size": 4})
+    eng.warmup(max_seq_len=24)
+    before = eng.metrics()["programs_compiled"]
+    eng.runner.copy_pages([(1, 2)])  # what a tree step dispatches (free pages: no state moves)
+    assert eng.metrics()["programs_compiled"] == before
+    eng.check_integrity()

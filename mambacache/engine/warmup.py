@@ -113,6 +113,8 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
     splits = _warm_splits(engine, shapes)
     if engine.cfg.speculative.enabled:
         runner.copy_slots([])  # the scratch end-state copy: slot 0 onto itself
+        if engine.cfg.speculative.topk > 1 and engine.cfg.cache.page_size > 1:
+            runner.copy_pages([])  # [tree] a branch's first page (page 0 onto itself)
     if engine.cache.host_tier is not None:  # [host tier] its copies, up to a whole sequence
         runner.warm_transfers(-(-buckets.max_seq_len // engine.cfg.cache.page_size))
     decode = sum(s.decode for s in shapes)
