@@ -42,10 +42,10 @@ class ModelSection:
     ``deterministic`` (off by default): a request's tokens and logprobs are a function of its
     own tokens alone, bit for bit, whatever shares its steps, the chunked prefill size, the page
     size, speculative decoding or a cache hit (``docs/engine.md``, "Deterministic mode"). Every
-    step then computes at least ``DETERMINISTIC_MIN_ROWS`` rows; its cost is in the README. With
-    the Pallas kernels (``"pallas"``, or ``"auto"`` on GPU / TPU) prefills run on a chunk grid
-    (``engine.prefill_grid``: hits at grid multiples, no speculative decoding, a chunked
-    prefill of at least the grid).
+    step then computes at least ``DETERMINISTIC_MIN_ROWS`` rows; its cost:
+    ``docs/benchmarks.md``. With the Pallas kernels (``"pallas"``, or ``"auto"`` on GPU /
+    TPU) prefills run on a chunk grid (``engine.prefill_grid``: hits at grid multiples, no
+    speculative decoding, a chunked prefill of at least the grid).
 
     ``context_length`` (SGLang's ``--context-length``, vLLM's ``--max-model-len``; 0 = the
     model's ``max_position_embeddings``): the longest request (prompt + ``max_new_tokens``) the
