@@ -270,29 +270,26 @@ class ModelRunner:
         """[speculative] ``pools[dst] <- pools[src]`` for every (src, dst) state slot pair, conv
         and SSM of every linear layer (a scratch end state into the running slot the tree
         adopts). Dispatched like a step: ordered by the pools' data dependency."""
-        width = bucket(len(pairs), self.max_seqs)
-        idx = np.zeros((2, width), np.int32)
-        if pairs:
-            idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
-        counter = self.compiles if pairs else self.warm_compiles  # no pairs: the warm-up's
-        with counter.track():
-            if self.host_pools is not None:  # [host tier] demotions read before the copy writes
-                self.host_pools.flush(self.pools)
-            self.pools = copy_slots_fn()(self.pools, idx[0], idx[1])
+        self._copy(copy_slots_fn(), pairs)
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """[speculative tree, page size > 1] ``pages[dst] <- pages[src]`` for every (src, dst)
         KV page pair, K and V of every attention layer (a branch row's first page gets the
         verified tokens before its start: ``engine/spec_tree.py``). Dispatched like a step."""
+        self._copy(copy_pages_fn(), pairs)
+
+    def _copy(self, fn: Any, pairs: Sequence[tuple[int, int]]) -> None:
+        """Run the donated copy program ``fn(pools, src, dst)`` over ``pairs`` padded to a
+        bucket (pads copy slot / page 0 onto itself); no pairs: the warm-up's compile."""
         width = bucket(len(pairs), self.max_seqs)
         idx = np.zeros((2, width), np.int32)
         if pairs:
             idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
-        counter = self.compiles if pairs else self.warm_compiles  # no pairs: the warm-up's
+        counter = self.compiles if pairs else self.warm_compiles
         with counter.track():
             if self.host_pools is not None:  # [host tier] demotions read before the copy writes
                 self.host_pools.flush(self.pools)
-            self.pools = copy_pages_fn()(self.pools, idx[0], idx[1])
+            self.pools = fn(self.pools, idx[0], idx[1])
 
     def transfer(self, t: Any, in_use: Any = None) -> None:
         """[host tier] Issue one ``cache.host_tier.Transfer`` (``engine/host_pools.py``): a
