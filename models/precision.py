@@ -18,12 +18,14 @@ import contextlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+
+from pallas_kernels.ops import dot_precision
 
 
 def exact_matmuls(dtype: Any) -> contextlib.AbstractContextManager:
     """The context to trace a program over weights of ``dtype`` in: HIGHEST matmul precision for
-    float32, nothing otherwise (the backend's default for bf16)."""
-    if jnp.dtype(dtype) == jnp.float32:
+    float32, nothing otherwise (the backend's default for bf16). The rule is the kernels' own
+    (``pallas_kernels.ops.dot_precision``), so the model and its kernels cannot disagree."""
+    if dot_precision(dtype) is not None:
         return jax.default_matmul_precision("highest")
     return contextlib.nullcontext()

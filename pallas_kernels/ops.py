@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels._common import interpret_default
+from pallas_kernels._common import dot_precision, interpret_default  # noqa: F401 (the models')
 from pallas_kernels.gpu import causal_conv1d as _gpu_conv
 from pallas_kernels.gpu import gated_delta_rule as _gpu_gdr
 from pallas_kernels.gpu import grouped_matmul as _gpu_gmm

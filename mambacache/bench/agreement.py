@@ -97,14 +97,15 @@ def distribution_agreement(cfg: EngineConfig, model: tuple[Any, Any],
             "max_abs_logprob_diff": diff}
 
 
-def greedy_agreement(cfg: EngineConfig, prompts: list[list[int]], max_new_tokens: int
-                     ) -> dict[str, float]:
+def greedy_agreement(cfg: EngineConfig, model: tuple[Any, Any], prompts: list[list[int]],
+                     max_new_tokens: int) -> dict[str, float]:
     """Greedy generation with the cache on and off, the prompts one at a time in order (so a
-    group's later prompts hit its first one's prefix); see the module docstring."""
+    group's later prompts hit its first one's prefix); see the module docstring. ``model``:
+    ``load_model(cfg)``, shared by both engines."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     outs = {}
     for enable in (True, False):
-        engine = Engine(cfg.replace(**{"cache.enable": enable}))
+        engine = Engine(cfg.replace(**{"cache.enable": enable}), model=model)
         outs[enable] = [engine.generate([p], params)[0] for p in prompts]
     equal, kept, diff = 0, 0, 0.0
     for on, off in zip(outs[True], outs[False], strict=True):
@@ -132,7 +133,7 @@ def run(cfg: EngineConfig, *, groups: int = 4, per_group: int = 3, prefix_len: i
     return {"preset": cfg.model.preset, "dtype": cfg.model.dtype, "kernels": cfg.model.kernels,
             "backend": jax.default_backend(), "page_size": cfg.cache.page_size,
             "distributions": distribution_agreement(cfg, model, prompts, split),
-            "greedy": greedy_agreement(cfg, prompts, max_new_tokens)}
+            "greedy": greedy_agreement(cfg, model, prompts, max_new_tokens)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
