@@ -236,11 +236,16 @@ class CompileConfig:
     ``$MAMBACACHE_COMPILE_CACHE_DIR`` names another; empty there: off), a directory, or ``""``
     / ``"off"``. ``ahead_of_time``: the warm-up lowers every program from abstract shapes and
     compiles them in ``threads`` threads (0: the CPU count, at most ``MAX_COMPILE_THREADS``),
-    then runs each once; ``False``: it runs each program in turn (compiling on the way)."""
+    then runs each once; ``False``: it runs each program in turn (compiling on the way).
+    ``while_loading``: those ahead-of-time compiles start before the weights load
+    (``engine/loading_compiles.py``): ``"auto"`` when the caller warms up next
+    (``Engine(..., warmup_max_seq_len=N)``: the server, ``scripts/bench_warmup.py``), ``"on"``
+    always, ``"off"``."""
 
     cache_dir: str = "auto"
     ahead_of_time: bool = True
     threads: int = 0
+    while_loading: str = "auto"
 
     def __post_init__(self):
         _require(isinstance(self.cache_dir, str),
@@ -250,6 +255,9 @@ class CompileConfig:
         _require(type(self.threads) is int and 0 <= self.threads <= MAX_COMPILE_THREADS,
                  f"compile.threads must be an int in [0, {MAX_COMPILE_THREADS}], got "
                  f"{self.threads!r}")
+        _require(self.while_loading in ("auto", "on", "off"),
+                 f"compile.while_loading must be 'auto', 'on' or 'off', got "
+                 f"{self.while_loading!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,10 +30,9 @@ from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request, Reque
 from mambacache.engine.runner_protocol import InFlight, Runner
 from mambacache.engine.sampling_params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
-from mambacache.engine.speculative import max_rows, num_state_slots, spec_metrics
+from mambacache.engine.speculative import spec_metrics
 from mambacache.engine.step_loop import StepLoop
 from mambacache.engine.thread_guard import owned
-from mambacache.engine.warmup import min_rows
 
 if TYPE_CHECKING:
     from mambacache.engine.pools import PoolState
@@ -72,12 +71,16 @@ def prefill_grid(cfg: EngineConfig) -> int:
 
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, *, model: tuple[Any, Any] | None = None,
-                 runner: Runner | None = None):
+                 runner: Runner | None = None, warmup_max_seq_len: int | None = None):
         """``model``: an already loaded ``(model_cfg, params)`` to share between engines.
         ``runner``: a runner to use instead of the model's (``ShadowRunner``: no model, no
-        device; its ``model_cfg`` gives the vocabulary and context length)."""
+        device; its ``model_cfg`` gives the vocabulary and context length).
+        ``warmup_max_seq_len``: the caller warms up next with this bound (0: the model's
+        context); with ``compile.while_loading`` "auto" the warm-up's programs then compile
+        while the weights load (``engine/loading_compiles.py``)."""
         self.cfg = cfg = cfg if cfg is not None else EngineConfig()
         self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
+        self.loading_compiles: Any = None  # [compile.while_loading] joined by ``warmup``
         if runner is not None:
             self.model_cfg, self.runner = cfg.model.capped(runner.model_cfg), runner
             if cfg.cache.has_budget:  # [issue 25] a byte budget: derive the pools
@@ -88,7 +91,14 @@ class Engine:
             from mambacache.engine.compile_cache import use_compile_cache
 
             use_compile_cache(cfg.compile)  # before the first compile (the random init's)
-            self.model_cfg, params = model if model is not None else load_model(cfg)
+            if model is None:
+                self._start_loading_compiles(warmup_max_seq_len)
+            try:
+                self.model_cfg, params = model if model is not None else load_model(cfg)
+            except BaseException:
+                if self.loading_compiles is not None:
+                    self.loading_compiles.cancel()
+                raise
             if cfg.model.deterministic != self.model_cfg.deterministic:  # [deterministic]
                 self.model_cfg = dataclasses.replace(self.model_cfg,
                                                      deterministic=cfg.model.deterministic)
@@ -132,8 +142,16 @@ class Engine:
                      type(self.runner).__name__, cfg.cache.num_pages, cfg.cache.page_size,
                      cfg.cache.num_mamba_slots, "on" if cfg.cache.enable else "off")
 
+    def _start_loading_compiles(self, warmup_max_seq_len: int | None) -> None:
+        """[compile.while_loading] Start the warm-up's compiles before the weights load."""
+        from mambacache.engine.loading_compiles import LoadingCompiles, wanted
+
+        if self.cfg.compile.ahead_of_time and wanted(self.cfg, warmup_max_seq_len is not None):
+            self.loading_compiles = LoadingCompiles.start(self.cfg, warmup_max_seq_len or None)
+
     def _model_runner(self, params: Any) -> Runner:
-        from mambacache.engine.pools import PoolState, size_pools
+        from mambacache.engine.loading_compiles import create_pools, runner_kwargs
+        from mambacache.engine.pools import size_pools
         from mambacache.engine.runner import ModelRunner
 
         cfg = self.cfg
@@ -164,17 +182,8 @@ class Engine:
             raise ValueError("speculative.method 'mtp' needs a model with an MTP head: "
                              f"{self.model_cfg.family} params have none (num_mtp_layers "
                              f"{self.model_cfg.num_mtp_layers})")
-        pools = PoolState.create(self.model_cfg, cfg.cache.num_pages, cfg.cache.page_size,
-                                 num_state_slots(cfg), model_dtype(cfg),
-                                 sharding=self._pool_sharding(), extra_kv_layers=int(mtp))
-        self.runner = ModelRunner(self.model_cfg, params, pools, kernels=cfg.model.kernels,
-                                  page_size=cfg.cache.page_size,
-                                  max_seqs=max_rows(cfg),
-                                  num_drafts=cfg.speculative.num_draft_tokens if mtp else 0,
-                                  num_alts=cfg.speculative.topk - 1 if mtp else 0,
-                                  spec_k=cfg.speculative.num_draft_tokens
-                                  if cfg.speculative.enabled else 0,
-                                  min_rows=min_rows(cfg))
+        pools = create_pools(cfg, self.model_cfg, sharding=self._pool_sharding())
+        self.runner = ModelRunner(self.model_cfg, params, pools, **runner_kwargs(cfg))
         if self.mesh is not None:
             from mambacache.parallel.mesh import shard_engine
 

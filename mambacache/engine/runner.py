@@ -98,9 +98,9 @@ class ModelRunner:
         # are host memory, and the copy's completion stalled the XLA thread while the host
         # thread ran Python (multi_turn, 1 XLA thread: overlap 0.96x sync with it, 1.13x
         # without; likely the callback waits for the GIL) [overlap]
-        leaves = jax.tree_util.tree_leaves(pools)
-        platform = (next(iter(leaves[0].devices())).platform if leaves
-                    else jax.default_backend())
+        leaves = jax.tree_util.tree_leaves(pools)  # (abstract pools: engine/loading_compiles)
+        platform = (next(iter(leaves[0].devices())).platform
+                    if leaves and hasattr(leaves[0], "devices") else jax.default_backend())
         self.copy_back = platform != "cpu"
 
     def place(self, params: Any, pools: PoolState) -> None:

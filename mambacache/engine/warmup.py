@@ -103,7 +103,10 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
     aot = getattr(engine.cfg, "compile", None)
     threads = compile_threads(aot.threads if aot else 1, len(jobs))
     ahead = bool(aot and aot.ahead_of_time and hasattr(runner, "compile_ahead"))
-    times = compile_ahead(runner, jobs, threads, progress) if ahead else [0.0] * len(jobs)
+    loaded, while_loading = _join_loading(engine, progress)  # [compile.while_loading]
+    todo = [j for j in jobs if j not in loaded]
+    times = compile_ahead(runner, todo, threads, progress) if ahead else [0.0] * len(todo)
+    times = [loaded[j] if j in loaded else times[todo.index(j)] for j in jobs]
     for i, (shape, controls) in enumerate(jobs):
         t = time.perf_counter()
         runner.warm(shape, logit_controls=controls)
@@ -119,17 +122,36 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
         runner.warm_transfers(-(-buckets.max_seq_len // engine.cfg.cache.page_size))
     decode = sum(s.decode for s in shapes)
     listed = sorted(zip(times, jobs, strict=True), key=lambda x: -x[0])
-    out.update(programs=len(shapes), compiles=counter.compiles - before[0],
-               cache_hits=counter.cache_hits - before[1], compile_s=counter.seconds - before[2],
+    early = (while_loading or {}).get("counted", (0, 0, 0.0))  # compiled while loading
+    out.update(programs=len(shapes), compiles=counter.compiles - before[0] + early[0],
+               cache_hits=counter.cache_hits - before[1] + early[1],
+               compile_s=counter.seconds - before[2] + early[2],
                seconds=time.perf_counter() - t0, decode_programs=decode,
                extend_programs=len(shapes) - decode, max_seq_len=buckets.max_seq_len,
                device_splits=splits, controls_programs=len(controlled), ahead_of_time=ahead,
-               threads=threads if ahead else 1,
+               threads=threads if ahead else 1, while_loading=while_loading,
                program_list=[{**dataclasses.asdict(s), "logit_controls": c, "seconds": t}
                              for t, (s, c) in listed])
     _report(progress, f"warm-up: {len(jobs)} programs ({out['compiles']} compiled, "
                       f"{out['cache_hits']} from the compile cache) in {out['seconds']:.1f} s")
     return out
+
+
+def _join_loading(engine: Any, progress: Callable[[str], None] | None
+                  ) -> tuple[dict[tuple[StepShape, bool], float], dict[str, Any] | None]:
+    """[compile.while_loading] The programs ``engine/loading_compiles.py`` compiled while the
+    weights loaded (``{(shape, logit_controls): seconds}``) and its report (None without it);
+    a failed compile raises here, naming its program."""
+    early = getattr(engine, "loading_compiles", None)
+    if early is None:
+        return {}, None
+    engine.loading_compiles = None
+    done, report = early.join(engine.runner, engine.model_cfg)
+    counter = early.runner.warm_compiles
+    report["counted"] = (counter.compiles, counter.cache_hits, counter.seconds)
+    _report(progress, f"{len(done)} programs compiled while the weights loaded "
+                      f"({report['seconds']:.1f} s from the start)")
+    return done, report
 
 
 def compile_threads(threads: int, jobs: int) -> int:
