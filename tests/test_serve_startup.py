@@ -62,3 +62,23 @@ def test_health_says_the_stage_until_ready(caplog):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def test_the_server_says_it_warms_up_so_its_programs_compile_while_loading(monkeypatch):
+    import pytest
+
+    import mambacache.engine.engine as engine_mod
+    from mambacache.serve.__main__ import main
+
+    seen = []
+
+    def fake_engine(cfg, **kwargs):
+        seen.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_mod, "Engine", fake_engine)
+    for extra, want in ((["--set", "serve.warmup_max_seq_len=64"], 64),
+                        (["--set", "serve.warmup=false"], None)):
+        with pytest.raises(RuntimeError, match="stop here"):
+            main(extra)
+        assert seen.pop() == {"warmup_max_seq_len": want}

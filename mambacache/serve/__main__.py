@@ -60,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     log = logging.getLogger("mambacache.serve")
     log.info("start: loading the model (%s)", cfg.model.path or cfg.model.preset)
     t = time.perf_counter()
-    engine = Engine(cfg)
+    # the warm-up's programs compile while the weights load (compile.while_loading "auto")
+    engine = Engine(cfg, warmup_max_seq_len=cfg.serve.warmup_max_seq_len
+                    if cfg.serve.warmup else None)
     log.info("start: weights loaded and cache sized in %.1f s: %d KV pages of %d tokens, %d "
              "state slots, context length %d", time.perf_counter() - t, engine.cfg.cache.num_pages,
              engine.cfg.cache.page_size, engine.cfg.cache.num_mamba_slots,
