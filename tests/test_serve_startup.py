@@ -10,7 +10,7 @@ import time
 
 import httpx
 import uvicorn
-from engine_helpers import make_engine
+from engine_helpers import make_engine, tiny_model
 from serve_helpers import SERVER
 
 from mambacache.serve.app import create_app
@@ -70,15 +70,67 @@ def test_the_server_says_it_warms_up_so_its_programs_compile_while_loading(monke
     import mambacache.engine.engine as engine_mod
     from mambacache.serve.__main__ import main
 
-    seen = []
+    seen, apps = [], []
 
     def fake_engine(cfg, **kwargs):
         seen.append(kwargs)
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(engine_mod, "Engine", fake_engine)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
     for extra, want in ((["--set", "serve.warmup_max_seq_len=64"], 64),
                         (["--set", "serve.warmup=false"], None)):
+        main(extra)
+        assert seen == []  # the engine is built in the engine thread, once the app runs
         with pytest.raises(RuntimeError, match="stop here"):
-            main(extra)
+            apps.pop().state.server.loop._build()
         assert seen.pop() == {"warmup_max_seq_len": want}
+
+
+def test_health_says_the_weights_load_before_the_engine_exists():
+    from fastapi.testclient import TestClient
+
+    from mambacache.config import EngineConfig
+
+    cfg = EngineConfig.load(None, SERVER)
+    release = threading.Event()
+
+    def build():
+        assert release.wait(60)
+        return make_engine(**SERVER)
+
+    app = create_app(build, ByteTokenizer(tiny_model()[0].vocab_size), cfg.serve, model_name="tiny",
+                     max_running=cfg.scheduler.max_running_requests)
+    with TestClient(app) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and "loading the weights" in r.json()["stage"], r.json()
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 503 and "starting" in r.json()["error"]["message"], r.json()
+        assert r.headers["retry-after"] == "5"
+        release.set()
+        deadline = time.monotonic() + 120
+        while (r := client.get("/health")).status_code != 200:
+            assert time.monotonic() < deadline, r.json()
+            time.sleep(0.05)
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 200, r.json()
+
+
+def test_a_failed_load_is_an_error_on_health():
+    from fastapi.testclient import TestClient
+
+    from mambacache.config import EngineConfig
+
+    cfg = EngineConfig.load(None, SERVER)
+
+    def build():
+        raise ValueError("model.path 'nowhere' holds neither config.json nor model.json")
+
+    app = create_app(build, ByteTokenizer(tiny_model()[0].vocab_size), cfg.serve,
+                     model_name="tiny", max_running=4)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while (r := client.get("/health")).status_code == 503:
+            assert time.monotonic() < deadline, r.json()
+            time.sleep(0.05)
+        assert r.status_code == 500 and "nowhere" in r.json()["error"], r.json()

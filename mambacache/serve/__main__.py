@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,21 +53,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     from mambacache.engine.engine import Engine
+    from mambacache.parallel.plan import load_model_config
     from mambacache.serve.app import create_app
     from mambacache.serve.tokenizer import load_tokenizer
 
-    log = logging.getLogger("mambacache.serve")
-    log.info("start: loading the model (%s)", cfg.model.path or cfg.model.preset)
-    t = time.perf_counter()
-    # the warm-up's programs compile while the weights load (compile.while_loading "auto")
-    engine = Engine(cfg, warmup_max_seq_len=cfg.serve.warmup_max_seq_len
-                    if cfg.serve.warmup else None)
-    log.info("start: weights loaded and cache sized in %.1f s: %d KV pages of %d tokens, %d "
-             "state slots, context length %d", time.perf_counter() - t, engine.cfg.cache.num_pages,
-             engine.cfg.cache.page_size, engine.cfg.cache.num_mamba_slots,
-             engine.model_cfg.max_position_embeddings)
-    tokenizer = load_tokenizer(cfg.serve.tokenizer, cfg.model.path, engine.model_cfg.vocab_size)
-    app = create_app(engine, tokenizer, cfg.serve, model_name=model_name(cfg))
+    # the engine is built in the engine thread (engine_loop.py): /health answers 503 with the
+    # stage from the start, the weights' load included; the warm-up's programs compile while
+    # the weights load (compile.while_loading "auto")
+    vocab = load_model_config(cfg).vocab_size  # no weight read
+    tokenizer = load_tokenizer(cfg.serve.tokenizer, cfg.model.path, vocab)
+    app = create_app(lambda: Engine(cfg, warmup_max_seq_len=cfg.serve.warmup_max_seq_len
+                                    if cfg.serve.warmup else None),
+                     tokenizer, cfg.serve, model_name=model_name(cfg),
+                     max_running=cfg.scheduler.max_running_requests)
+    logging.getLogger("mambacache.serve").info("start: serving on %s:%d while the model "
+                                               "loads (%s)", cfg.serve.host, cfg.serve.port,
+                                               cfg.model.path or cfg.model.preset)
     uvicorn.run(app, host=cfg.serve.host, port=cfg.serve.port, log_level=args.log_level)
 
 

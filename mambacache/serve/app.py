@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -53,10 +54,9 @@ def http_names(text: str) -> str:
 class Server:
     """What the routes share: the engine loop, the tokenizer, the ``[serve]`` section."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, serve_cfg: ServeConfig, *,
-                 model_name: str):
+    def __init__(self, engine: Engine | Callable[[], Engine], tokenizer: Tokenizer,
+                 serve_cfg: ServeConfig, *, model_name: str, max_running: int | None = None):
         self.cfg = serve_cfg
-        self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = ServerMetrics()
@@ -64,7 +64,19 @@ class Server:
         self.loop = EngineLoop(engine, max_waiting=self.cfg.max_waiting, observer=self.metrics,
                                warmup=self.cfg.warmup,
                                warmup_max_seq_len=self.cfg.warmup_max_seq_len or None,
-                               warmup_logit_controls=self.cfg.warmup_logit_controls)
+                               warmup_logit_controls=self.cfg.warmup_logit_controls,
+                               max_running=max_running)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; while it is being built (the weights loading) an HTTP 503 naming the
+        start's stage."""
+        engine = self.loop.engine
+        if engine is None:
+            raise ApiError(f"the server is starting ({self.loop.stage}); retry later",
+                           status=503, type="server_error", code="server_starting",
+                           headers={"Retry-After": "5"})
+        return engine
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -190,11 +202,15 @@ class Server:
         yield sse("[DONE]")
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, serve_cfg: ServeConfig, *,
-               model_name: str) -> FastAPI:
+def create_app(engine: Engine | Callable[[], Engine], tokenizer: Tokenizer,
+               serve_cfg: ServeConfig, *, model_name: str,
+               max_running: int | None = None) -> FastAPI:
     """The app over ``engine`` (``serve_cfg``: the ``[serve]`` section); its lifespan starts the
-    engine thread (warm-up first) and stops it."""
-    server = Server(engine, tokenizer, serve_cfg, model_name=model_name)
+    engine thread (warm-up first) and stops it. ``engine`` may be a function that builds it
+    (``max_running``: its ``scheduler.max_running_requests``): the engine thread calls it
+    first, and ``/health`` answers 503 with the stage while the weights load."""
+    server = Server(engine, tokenizer, serve_cfg, model_name=model_name,
+                    max_running=max_running)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -226,7 +242,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, serve_cfg: ServeConfig, *,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        cfg = engine.model_cfg
+        cfg = server.engine.model_cfg
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "mambacache",
             "max_model_len": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size}]}

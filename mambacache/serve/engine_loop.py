@@ -80,11 +80,18 @@ class EngineLoop:
     """Owns ``engine`` and the thread that steps it. ``observer`` (optional) gets
     ``first_token(s)``, ``inter_token(s)``, ``finished(output, e2e_s)`` from that thread."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int, observer: Any = None,
-                 warmup: bool = True, warmup_max_seq_len: int | None = None,
-                 warmup_logit_controls: bool = False):
-        self.engine = engine
-        self.capacity = engine.cfg.scheduler.max_running_requests + max_waiting
+    def __init__(self, engine: Engine | Callable[[], Engine], *, max_waiting: int,
+                 observer: Any = None, warmup: bool = True,
+                 warmup_max_seq_len: int | None = None, warmup_logit_controls: bool = False,
+                 max_running: int | None = None):
+        """``engine``: the engine, or a function that builds it (loads the weights, sizes the
+        cache), called first in the engine thread so that ``/health`` answers with the stage
+        from the very start; then ``max_running`` (its ``scheduler.max_running_requests``)."""
+        self._build = None if hasattr(engine, "step") else engine
+        self.engine: Any = None if self._build is not None else engine
+        if max_running is None:
+            max_running = self.engine.cfg.scheduler.max_running_requests
+        self.capacity = max_running + max_waiting
         self.observer = observer
         self.warmup = warmup
         self.warmup_max_seq_len = warmup_max_seq_len
@@ -219,7 +226,28 @@ class EngineLoop:
         self.stage = line
         log.info("start: %s", line)
 
+    def _load(self) -> bool:
+        """Build the engine (``engine`` given as a function): the weights, the cache's pools;
+        False (``warmup_error`` set, ``ready``: /health says the error) if that failed."""
+        t = time.perf_counter()
+        self.set_stage("loading the weights, then sizing the cache")
+        try:
+            self.engine = self._build()
+        except Exception as err:  # noqa: BLE001 - reported by /health
+            log.exception("loading the model failed")
+            self.warmup_error = f"{type(err).__name__}: {err}"
+            self.ready.set()
+            return False
+        cfg, model_cfg = self.engine.cfg, self.engine.model_cfg
+        self.set_stage(f"weights loaded and cache sized in {time.perf_counter() - t:.1f} s: "
+                       f"{cfg.cache.num_pages} KV pages of {cfg.cache.page_size} tokens, "
+                       f"{cfg.cache.num_mamba_slots} state slots, context length "
+                       f"{model_cfg.max_position_embeddings}")
+        return True
+
     def _run(self) -> None:
+        if self._build is not None and not self._load():
+            return
         if self.warmup:
             self._warm_up()
         self._take_snapshot(force=True)
