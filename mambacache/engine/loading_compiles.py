@@ -160,7 +160,7 @@ class LoadingCompiles:
         def state(r: Any) -> Any:
             return jax.tree.map(abstract, (r.params, r.pools, r.future))
 
-        return (model_cfg == self.model_cfg and runner._fns == self.runner._fns
+        return (model_cfg == self.model_cfg and runner.step_programs == self.runner.step_programs
                 and state(runner) == state(self.runner))
 
 

@@ -127,6 +127,12 @@ class ModelRunner:
         self.multi_step_ok = False
 
     @property
+    def step_programs(self) -> dict[bool, Any]:
+        """The jitted step callables by ``decode`` (shared by runners over the same model: what
+        one compiled, another with equal callables runs without compiling)."""
+        return self._fns
+
+    @property
     def programs_compiled(self) -> int:
         """XLA compiles made while running steps (JAX's events; 0 once warm)."""
         return self.compiles.compiles
