@@ -13,8 +13,8 @@ import numpy as np
 
 from mambacache.cache.radix import make_cache
 from mambacache.cache.snapshot_plan import assign_snapshot_slots, plan_snapshots
-from mambacache.engine.batch import SeqSpec, build_forward_batch
-from mambacache.engine.pools import PoolState
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.step.batch import SeqSpec, build_forward_batch
 from models.model import forward
 from models.params import init_params
 from models.presets import get_preset

@@ -12,7 +12,7 @@ from mambacache.config import (
     SpeculativeConfig,
 )
 from mambacache.engine.request import RequestOutput
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.sampling.params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -1,7 +1,7 @@
 """Token mixers: Gated DeltaNet (linear attention) and gated full attention over paged KV.
 
 Both read and write the pools through ``pallas_kernels.ops`` only; ``batch`` is duck-typed
-(``mambacache.engine.batch.ForwardBatch``: packed ragged tokens, see that module). ``mesh``
+(``mambacache.engine.step.batch.ForwardBatch``: packed ragged tokens, see that module). ``mesh``
 (static, a ``jax.sharding.Mesh`` or None) is handed to every kernel op: under tensor parallelism
 each op runs per device on its own heads (``ops``' docstring). ``short_conv`` is the conv step
 of every mixer with a conv pool (Gated DeltaNet here, KDA in ``models/kda.py``).

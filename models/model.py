@@ -8,10 +8,10 @@ Jittable with the pools donated::
 One loop for every family: each layer's mixer comes from the family's ``mixers`` (a
 ``models.mixer_registry.Mixer`` per layer type), its norms and feed-forward from the family too
 (``models/families/base.py`` states the block structure).
-``pools`` is duck-typed ``mambacache.engine.pools.PoolState`` (tuples ``k_pages``/``v_pages``
-per full layer, ``conv``/``ssm`` per linear layer, in layer order; updated with
-``pools.replace``) and ``batch`` a ``mambacache.engine.batch.ForwardBatch``. This module does
-not import ``mambacache``.
+``pools`` is duck-typed ``mambacache.engine.runners.pools.PoolState`` (tuples
+``k_pages``/``v_pages`` per full layer, ``conv``/``ssm`` per linear layer, in layer order; updated
+with ``pools.replace``) and ``batch`` a ``mambacache.engine.step.batch.ForwardBatch``. This module
+does not import ``mambacache``.
 ``mesh`` (static; tensor parallel): the ``jax.sharding.Mesh`` the params and pools are sharded
 over, or None for one device; the kernel ops and the routed experts of the MoE then run per
 device inside ``shard_map``.

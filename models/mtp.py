@@ -59,7 +59,7 @@ def accepted_counts(draft_ids: jax.Array, next_ids: jax.Array, first: jax.Array,
                     max_drafts: int) -> jax.Array:
     """Per sequence, drafts the target agreed with: the run of positions from ``first`` on
     where the row's draft (``draft_ids``, -1: none) equals the target's token (``next_ids``).
-    int32 ``[B]`` (the host's ``speculative.accepted_drafts``, on the device); 0 where
+    int32 ``[B]`` (the host's ``speculative.verify.accepted_drafts``, on the device); 0 where
     ``first`` is -1."""
     t = draft_ids.shape[0]
     idx = jnp.clip(first[:, None] + jnp.arange(max_drafts)[None, :], 0, t - 1)

@@ -2,7 +2,7 @@
 
 The engine's sizing code, the plan command and the simulator read these for any config (a tiny
 preset, a real-size preset of ``models/hf_configs/``, or a checkpoint's ``config.json``); nothing
-here creates a device buffer. Invariants, shared with ``mambacache/engine/pools.py``:
+here creates a device buffer. Invariants, shared with ``mambacache/engine/runners/pools.py``:
 
 * a state slot is, per linear layer, the conv window ``[K - 1, C]`` in the model dtype plus the
   recurrent state ``[Hv, Dk, Dv]`` in float32 (Gated DeltaNet, KDA and Mamba2 alike);

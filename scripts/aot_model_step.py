@@ -29,8 +29,8 @@ def _abstract(tree, dev):
 
 def compile_step(preset: str, target: str, dtype, decode: bool) -> str | None:
     """Compile one step program; None if it compiled, else the error's first words."""
-    from mambacache.engine.batch import SeqSpec, build_forward_batch
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners.pools import PoolState
+    from mambacache.engine.step.batch import SeqSpec, build_forward_batch
     from models import forward, get_preset, init_params
 
     cfg = get_preset(preset)

@@ -41,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PALLAS_INTERPRET", "0")
     cfg = EngineConfig.load(None, parse_set_args(opts.set) | {"compile.cache_dir": opts.cache_dir})
     t0 = time.perf_counter()
-    from mambacache.engine.buckets import bucket
-    from mambacache.engine.compile_cache import use_compile_cache
-    from mambacache.engine.compiles import CompileCounter
-    from mambacache.engine.loading import model_dtype
-    from mambacache.engine.speculative import max_rows
-    from mambacache.engine.step_program import jitted_sharded_step
-    from mambacache.engine.warmup import engine_buckets
+    from mambacache.engine.runners.compile_cache import use_compile_cache
+    from mambacache.engine.runners.compiles import CompileCounter
+    from mambacache.engine.runners.loading import model_dtype
+    from mambacache.engine.runners.step_program import jitted_sharded_step
+    from mambacache.engine.runners.warmup import engine_buckets
+    from mambacache.engine.speculative.verify import max_rows
+    from mambacache.engine.step.buckets import bucket
     from mambacache.parallel import sizing
     from mambacache.parallel.mesh import pool_shardings, replicate_kv_heads, replicated
     from mambacache.parallel.plan import _mesh_for, load_model_config

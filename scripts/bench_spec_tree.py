@@ -1,12 +1,12 @@
-"""Draft trees (``speculative.topk``) vs chains at equal verify width: tokens per verify row.
+"""Draft trees (``speculative.verify.topk``) vs chains at equal verify width: tokens per verify row.
 
     python scripts/bench_spec_tree.py --config configs/bench/spec_tree.toml \\
         --variants 15x1,3x4,7x2 [--set section.key=value ...] [--out result.json]
 
-A variant ``KxT`` is ``speculative.num_draft_tokens = K`` (each branch's depth) and
-``speculative.topk = T``: ``T * (K + 1)`` tokens verified per request per step (its verify
+A variant ``KxT`` is ``speculative.verify.num_draft_tokens = K`` (each branch's depth) and
+``speculative.verify.topk = T``: ``T * (K + 1)`` tokens verified per request per step (its verify
 width; a chain is ``T = 1``). Each variant runs the config's workload once, side by side with
-``speculative.method = "none"``, and reports ``spec_tokens_per_verify`` (tokens emitted per
+``speculative.verify.method = "none"``, and reports ``spec_tokens_per_verify`` (tokens emitted per
 request per verify: one per request and step, a tree's rows together), ``spec_verify_width``
 (tokens verified per request per verify), ``spec_accept_rate``, ``spec_verify_rows`` (rows: one
 per branch), steps, and whether every output equals the run without speculation
@@ -51,8 +51,8 @@ def branching_trace(w: dict[str, Any], seed: int) -> list[dict[str, list[int]]]:
 
 def _shadow_run(cfg: Any, trace: list[dict[str, list[int]]]) -> tuple[list, dict[str, Any]]:
     from mambacache.engine.engine import Engine
-    from mambacache.engine.sampling_params import SamplingParams
-    from mambacache.engine.shadow_runner import ShadowRunner
+    from mambacache.engine.sampling.params import SamplingParams
+    from mambacache.engine.shadow.runner import ShadowRunner
 
     outputs: dict[int, list[int]] = {}
     vocab = 1 + max(max(r["prompt"] + r["output"]) for r in trace)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         from mambacache.bench.workloads import workload_from_dict
         from mambacache.engine.engine import load_model
-        from mambacache.engine.sampling_params import SamplingParams
+        from mambacache.engine.sampling.params import SamplingParams
 
         model = load_model(base)
         items = workload_from_dict(work).source(model[0].vocab_size, seed).start()

@@ -12,7 +12,7 @@ sequence, as ``mambacache.bench`` warms up), the distinct programs the workload 
 tokens / real tokens (token rows computed per token needed) and padded pages / real pages (page
 table entries the real rows' attention reads, ``rows x P``, per page they hold). Variants:
 
-* ``today``: ``engine/buckets.py`` as is (decode widths 4, 8, ..., extend tokens 16, 32, ...);
+* ``today``: ``engine/step/buckets.py`` as is (decode widths 4, 8, ..., extend tokens 16, 32, ...);
 * ``tokens_x4``: extend token buckets 16, 64, 256, ... (every other rung);
 * ``one_width``: one decode width (``max_seqs``);
 * ``decode_as_extend``: no decode programs, a decode step runs the extend program of its tokens;
@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from mambacache.engine.buckets import MIN_PAGE_BUCKET, Buckets, bucket, ladder
+from mambacache.engine.step.buckets import MIN_PAGE_BUCKET, Buckets, bucket, ladder
 
 Step = tuple[bool, list[tuple[int, int]]]  # (decode, [(new tokens, tokens held after), ...])
 Shape = tuple[str, int, int]  # (program kind, token rows, pages per sequence)
@@ -52,7 +52,7 @@ def workload_requests(setup: Any, vocab: int) -> tuple[list[dict[str, list[int]]
 def record_steps(cfg: Any, requests: list[dict[str, list[int]]]) -> list[Step]:
     """Every step the engine schedules for ``requests`` on the shadow runner."""
     from mambacache.bench.simulate import simulate
-    from mambacache.engine.step_plan import is_decode_step
+    from mambacache.engine.step.plan import is_decode_step
 
     steps: list[Step] = []
 
@@ -133,8 +133,8 @@ def measure(b: Buckets, steps: list[Step]) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     from mambacache.bench.cli import load_setup
     from mambacache.config import parse_set_args
-    from mambacache.engine.speculative import max_rows
-    from mambacache.engine.warmup import engine_buckets
+    from mambacache.engine.runners.warmup import engine_buckets
+    from mambacache.engine.speculative.verify import max_rows
     from mambacache.parallel.plan import load_model_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -233,7 +233,7 @@ def replay_ours(trace, num_kv_tokens: int, num_slots: int, concurrency: int = 1,
     from mambacache.bench.simulate import simulate
     from mambacache.config import EngineConfig
     from mambacache.engine.engine import Engine
-    from mambacache.engine.shadow_runner import ShadowRunner
+    from mambacache.engine.shadow.runner import ShadowRunner
 
     cpu = {"step": 0.0, "run": 0.0}
 

@@ -93,7 +93,7 @@ def _part(part: str, step: Any, args: tuple, model_cfg: Any, kernels: str, shape
     import jax
     import jax.numpy as jnp
 
-    from mambacache.engine.sampling import sample
+    from mambacache.engine.sampling.sampler import sample
     from mambacache.parallel.mesh import replicated
     from models.model import forward
 
@@ -128,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from mambacache.config import EngineConfig, parse_set_args
-    from mambacache.engine.buckets import bucket
-    from mambacache.engine.loading import model_dtype
-    from mambacache.engine.speculative import max_rows
-    from mambacache.engine.step_program import jitted_sharded_step
-    from mambacache.engine.warmup import engine_buckets
+    from mambacache.engine.runners.loading import model_dtype
+    from mambacache.engine.runners.step_program import jitted_sharded_step
+    from mambacache.engine.runners.warmup import engine_buckets
+    from mambacache.engine.speculative.verify import max_rows
+    from mambacache.engine.step.buckets import bucket
     from mambacache.parallel import sizing
     from mambacache.parallel.mesh import make_mesh, pool_shardings, replicate_kv_heads, replicated
     from mambacache.parallel.plan import _mesh_for, load_model_config

@@ -24,8 +24,8 @@ import numpy as np
 
 from mambacache.config import EngineConfig
 from mambacache.engine.engine import Engine
-from mambacache.engine.sampling_params import SamplingParams
-from mambacache.engine.shadow_runner import ShadowRunner
+from mambacache.engine.sampling.params import SamplingParams
+from mambacache.engine.shadow.runner import ShadowRunner
 
 
 def decode_step_ms(rows: int, steps: int, overlap: bool, page_size: int,

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> dict:
     from mambacache.bench.runner import run_pass
     from mambacache.config import parse_set_args
     from mambacache.engine.engine import Engine, prefill_grid
-    from mambacache.engine.shadow_runner import ShadowRunner
+    from mambacache.engine.shadow.runner import ShadowRunner
 
     setup = load_setup(args.config, parse_set_args(args.sets))
     out = {}

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from mambacache.config import EngineConfig  # noqa: E402
 from mambacache.engine.engine import Engine  # noqa: E402
-from mambacache.engine.sampling_params import SamplingParams  # noqa: E402
-from mambacache.engine.shadow_runner import ShadowRunner  # noqa: E402
+from mambacache.engine.sampling.params import SamplingParams  # noqa: E402
+from mambacache.engine.shadow.runner import ShadowRunner  # noqa: E402
 
 _OUT: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

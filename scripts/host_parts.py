@@ -34,19 +34,19 @@ TRAMPOLINES = ("starmap", "takewhile", "dropwhile", "filterfalse", "accumulate")
 #: part label -> (module, attribute path) per ``--parts``; one trampoline each, in order
 PARTS = {
     "tree": [("admission", "mambacache.engine.scheduler", "admit"),
-             ("publish", "mambacache.engine.lease", "Lease.publish"),
-             ("release", "mambacache.engine.lease", "Lease.release"),
-             ("page growth", "mambacache.engine.lease", "Lease.grow"),
+             ("publish", "mambacache.engine.leases.lease", "Lease.publish"),
+             ("release", "mambacache.engine.leases.lease", "Lease.release"),
+             ("page growth", "mambacache.engine.leases.lease", "Lease.grow"),
              ("metrics.on_step", "mambacache.engine.metrics", "EngineMetrics.on_step")],
-    "admit": [("match", "mambacache.engine.cache_manager", "CacheManager.match"),
-              ("Lease.admit", "mambacache.engine.lease", "Lease.admit"),
-              ("dedup.shared_with_waiting", "mambacache.engine.admission",
+    "admit": [("match", "mambacache.engine.leases.cache_manager", "CacheManager.match"),
+              ("Lease.admit", "mambacache.engine.leases.lease", "Lease.admit"),
+              ("dedup.shared_with_waiting", "mambacache.engine.leases.admission",
                "shared_with_waiting"),
-              ("assign_snapshot_slots", "mambacache.engine.lease", "assign_snapshot_slots"),
-              ("dedup.inflight_branch", "mambacache.engine.admission", "inflight_branch")],
+              ("assign_snapshot_slots", "mambacache.engine.leases.lease", "assign_snapshot_slots"),
+              ("dedup.inflight_branch", "mambacache.engine.leases.admission", "inflight_branch")],
 }
 #: also counted under "page growth" (same trampoline)
-EXTRA = {"tree": [("mambacache.engine.cache_manager", "CacheManager.grow_rows")]}
+EXTRA = {"tree": [("mambacache.engine.leases.cache_manager", "CacheManager.grow_rows")]}
 CALLS: dict[str, int] = {}
 
 

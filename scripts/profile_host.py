@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 PARTS = [
     ("Engine.step, all of it", [("engine/engine.py", "step")]),
     ("  schedule: Scheduler.schedule", [("engine/scheduler.py", "schedule")]),
-    ("    of which admission (match, lock, plan, dedup)", [("engine/admission.py", "admit")]),
-    ("    of which publish (mid-prefill insert)", [("engine/lease.py", "publish")]),
-    ("    of which page growth of rows", [("engine/lease.py", "grow"),
-                                          ("engine/cache_manager.py", "grow_rows")]),
+    ("    of which admission (match, lock, plan, dedup)",
+     [("engine/leases/admission.py", "admit")]),
+    ("    of which publish (mid-prefill insert)", [("engine/leases/lease.py", "publish")]),
+    ("    of which page growth of rows", [("engine/leases/lease.py", "grow"),
+                                          ("engine/leases/cache_manager.py", "grow_rows")]),
     ("    of which row specs of chunks and snapshot rows (_spec)",
      [("engine/scheduler.py", "_spec")]),
     ("    of which decode rows (their specs too) / prefill chunks",
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     replay_ours(trace, 200_000, 256, args.concurrency)
     prof.disable()
     stats = pstats.Stats(prof)
-    runner = _cum(stats, "engine/shadow_runner.py", "run")
+    runner = _cum(stats, "engine/shadow/runner.py", "run")
     engine = _cum(stats, "engine/engine.py", "step") - runner
     print(f"concurrency {args.concurrency}, {args.requests} requests: engine CPU "
           f"{plain:.1f} us per request unprofiled")

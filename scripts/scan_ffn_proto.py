@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from mambacache.config import EngineConfig, parse_set_args
-    from mambacache.engine.loading import model_dtype
+    from mambacache.engine.runners.loading import model_dtype
     from mambacache.parallel import sizing
     from mambacache.parallel.mesh import param_shardings, replicate_kv_heads, replicated
     from mambacache.parallel.plan import _mesh_for, load_model_config

@@ -70,8 +70,9 @@ if (os.environ.get("MAMBACACHE_TEST_XLA_OPT", "0") != "1"
         warnings.warn("tests/conftest.py: JAX was imported before XLA_FLAGS was set", stacklevel=1)
 
 
-# The persistent compile cache (mambacache/engine/compile_cache.py) is off in the test session and
-# its subprocesses: nothing written into the user's home; tests that want it name a tmp dir.
+# The persistent compile cache (mambacache/engine/runners/compile_cache.py) is off in the test
+# session and its subprocesses: nothing written into the user's home; tests that want it name a tmp
+# dir.
 os.environ.setdefault("MAMBACACHE_COMPILE_CACHE_DIR", "")
 
 

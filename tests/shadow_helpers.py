@@ -8,7 +8,7 @@ import numpy as np
 
 import mambacache as mc
 from mambacache.engine.engine import Engine
-from mambacache.engine.shadow_runner import ShadowRunner
+from mambacache.engine.shadow.runner import ShadowRunner
 
 SHADOW_BASE = {"cache.num_kv_tokens": 4000, "cache.num_mamba_slots": 32,
                "scheduler.max_running_requests": 8, "scheduler.chunked_prefill_size": 64,

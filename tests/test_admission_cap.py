@@ -14,8 +14,8 @@ from mambacache.cache.radix import make_cache
 from mambacache.cache.replay import replay
 from mambacache.config import CacheConfig
 from mambacache.engine.engine import Engine
-from mambacache.engine.pools import size_pools
-from mambacache.engine.shadow_runner import ShadowRunner
+from mambacache.engine.runners.pools import size_pools
+from mambacache.engine.shadow.runner import ShadowRunner
 
 PAGE_B, SLOT_B = 10, 40  # page size 1: a state = the KV of 4 tokens
 

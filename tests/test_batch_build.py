@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mambacache.engine.batch import build_forward_batch
-from mambacache.engine.step_plan import SeqSpec
+from mambacache.engine.step.batch import build_forward_batch
+from mambacache.engine.step.plan import SeqSpec
 
 
 def _rowwise(seqs: list[SeqSpec], page_size: int, T: int, B: int, P: int, S: int, L: int,
@@ -116,7 +116,7 @@ def test_errors_name_the_row_and_the_bucket():
 
 
 def test_future_index_marks_each_placeholder_at_its_rows_last_token():
-    from mambacache.engine.runner import future_index
+    from mambacache.engine.runners.model_runner import future_index
 
     rows = [SeqSpec(tokens=[0], prefix_len=3, page_ids=[1, 2, 3, 4], read_slot=1, write_slot=1,
                     prev_index=5),

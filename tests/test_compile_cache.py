@@ -1,6 +1,6 @@
-"""The persistent compile cache (``engine/compile_cache.py``) and the warm-up's ahead-of-time
-compiles (``engine/warmup.py``): a second start of the same configuration compiles nothing, and
-serves the same tokens."""
+"""The persistent compile cache (``engine/runners/compile_cache.py``) and the warm-up's
+ahead-of-time compiles (``engine/runners/warmup.py``): a second start of the same configuration
+compiles nothing, and serves the same tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mambacache.config import EngineConfig
-from mambacache.engine.compile_cache import ENV_DIR, cache_entries, resolve_cache_dir
+from mambacache.engine.runners.compile_cache import ENV_DIR, cache_entries, resolve_cache_dir
 
 # one engine start: the warm-up's report and a greedy generation, as one JSON line
 START = """

@@ -9,11 +9,11 @@ import pytest
 from engine_helpers import assert_same_outputs, make_engine, rand_tokens, tiny_model
 
 import mambacache as mc
-from mambacache.engine.buckets import Buckets, StepShape
-from mambacache.engine.compiles import CompileCounter, count_compiles
-from mambacache.engine.speculative import max_rows
-from mambacache.engine.step_plan import SeqSpec
-from mambacache.engine.warmup import engine_buckets
+from mambacache.engine.runners.compiles import CompileCounter, count_compiles
+from mambacache.engine.runners.warmup import engine_buckets
+from mambacache.engine.speculative.verify import max_rows
+from mambacache.engine.step.buckets import Buckets, StepShape
+from mambacache.engine.step.plan import SeqSpec
 
 # pool shapes no other test uses: every program of this engine is compiled here first
 UNIQUE = {"cache.page_size": 3, "cache.num_kv_tokens": 3000, "cache.num_mamba_slots": 20,

@@ -10,8 +10,8 @@ import pytest
 
 import mambacache as mc
 from mambacache.engine.engine import Engine
-from mambacache.engine.shadow_runner import ShadowRunner
-from mambacache.engine.warmup import engine_buckets
+from mambacache.engine.runners.warmup import engine_buckets
+from mambacache.engine.shadow.runner import ShadowRunner
 from mambacache.parallel.plan import main as plan_main
 from models.presets import get_preset
 

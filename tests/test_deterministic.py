@@ -1,8 +1,8 @@
 """``model.deterministic`` (issue 28): in bf16, a request's tokens and logprobs are identical
 (``==``) whether it runs alone, cache off, chunked prefill 256, or among other requests with the
 cache on (shared prefixes, an identical prompt), chunked prefill 13, page size 4; with
-``speculative.method`` ``"none"``, ``"ngram"`` (chains and trees) and ``"mtp"``, seeded top-k /
-top-p sampling, preemption, and both runs at tensor parallel 2.
+``speculative.verify.method`` ``"none"``, ``"ngram"`` (chains and trees) and ``"mtp"``, seeded top-k
+/ top-p sampling, preemption, and both runs at tensor parallel 2.
 
 The default family without drafts and the sampler's unit checks run in CI; the family sweeps
 (same check, more compiles) behind ``-m slow``.
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from mambacache.engine.buckets import DETERMINISTIC_MIN_ROWS, Buckets
 from mambacache.engine.engine import Engine, load_model, prefill_grid
-from mambacache.engine.sampling import SamplingBatch, sample
+from mambacache.engine.sampling.sampler import SamplingBatch, sample
+from mambacache.engine.step.buckets import DETERMINISTIC_MIN_ROWS, Buckets
 from pallas_kernels import ops
 from pallas_kernels._common import l2norm
 from pallas_kernels.fixed_order import prefix_sum, tree_sum
@@ -80,7 +80,7 @@ def test_alone_equals_batched_chunked_cached(preset, method):
 @SLOW
 @pytest.mark.parametrize("preset", PRESETS)
 def test_draft_tree_alone_equals_batched(preset):
-    """ngram drafts as a tree (``speculative.topk`` 2: one verify row per branch; page size 1
+    """ngram drafts as a tree (``speculative.verify.topk`` 2: one verify row per branch; page size 1
     in both runs, which trees need)."""
     metrics = check_alone_equals_batched(
         preset, mc.SamplingParams(max_new_tokens=24),

@@ -27,7 +27,10 @@ TOP_FOLDERS = ("mambacache", "models", "pallas_kernels", "scripts", "tests", "do
 DOCSTRING_FOLDERS = ("mambacache", "models", "pallas_kernels", "scripts", "examples")
 # docs/structure.md's groups, in order; a file belongs to the longest group that prefixes it.
 STRUCTURE_GROUPS = (
-    "mambacache/", "mambacache/cache/", "mambacache/engine/", "mambacache/parallel/",
+    "mambacache/", "mambacache/config/", "mambacache/cache/", "mambacache/engine/",
+    "mambacache/engine/leases/", "mambacache/engine/step/", "mambacache/engine/speculative/",
+    "mambacache/engine/sampling/", "mambacache/engine/runners/", "mambacache/engine/shadow/",
+    "mambacache/parallel/",
     "mambacache/serve/", "mambacache/bench/", "models/", "pallas_kernels/",
     "pallas_kernels/tpu/", "pallas_kernels/gpu/", "pallas_kernels/reference/",
     "pallas_kernels/aot/", "scripts/", "examples/", "docs/",
@@ -190,9 +193,9 @@ def test_checker_flags_ours_and_spares_other_projects():
 
 
 def test_structure_check_flags_a_missing_or_misplaced_line():
-    text = ("## `mambacache/`\n\n- `mambacache/config.py`: x\n\n## `mambacache/cache/`\n\n"
+    text = ("## `mambacache/`\n\n- `mambacache/plan.py`: x\n\n## `mambacache/cache/`\n\n"
             "- `mambacache/cache/radix.py`: y\n- `mambacache/engine/engine.py`: z\n")
-    errors = structure_errors(text, ["mambacache/config.py", "mambacache/cache/radix.py",
+    errors = structure_errors(text, ["mambacache/plan.py", "mambacache/cache/radix.py",
                                      "mambacache/cache/node.py"])
     assert errors == ["mambacache/engine/engine.py is in group mambacache/cache/, "
                       "not mambacache/engine/", "mambacache/cache/node.py has no line"]

@@ -12,9 +12,9 @@ from shadow_helpers import greedy, shadow_engine
 
 import mambacache as mc
 from mambacache.cache.rebalance import SplitTuner
-from mambacache.engine.rebalance import Rebalancer
+from mambacache.engine.runners.rebalance import Rebalancer
 from mambacache.engine.scheduler import Scheduler
-from mambacache.engine.shadow_runner import DataflowError
+from mambacache.engine.shadow.runner import DataflowError
 
 NUM_SEEDS = 48
 MAX_STEPS = 3000

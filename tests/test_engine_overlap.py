@@ -100,7 +100,7 @@ def test_preempted_with_its_last_token_in_flight_finishes_waiting():
 
 
 def test_speculative_decoding_on_the_shadow_runner_runs_the_synchronous_loop():
-    """The shadow runner shifts no chained rows (engine/spec_chain.py): depth 0 there."""
+    """The shadow runner shifts no chained rows (engine/speculative/chain.py): depth 0 there."""
     cfg = {"speculative.method": "ngram", "speculative.num_draft_tokens": 2}
     assert shadow_engine(**cfg).overlap is False
     assert shadow_engine().overlap is True

@@ -90,7 +90,7 @@ def test_abstract_params_allocate_nothing():
 
 @pytest.mark.parametrize("name", ["tiny_qwen3_next", "tiny_nemotron_h", "tiny_kimi_linear"])
 def test_sizes_match_the_pools(name):
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners.pools import PoolState
     cfg, page = get_preset(name), 4
     sizes = model_sizes(cfg, jnp.float32)
     small = PoolState.create(cfg, num_pages=1, page_size=page, num_slots=1).nbytes()

@@ -11,7 +11,7 @@ import pytest
 from shadow_helpers import greedy, shadow_engine
 
 from mambacache.cache.host_tier import HostTier
-from mambacache.engine.shadow_runner import DataflowError
+from mambacache.engine.shadow.runner import DataflowError
 from tests.engine_helpers import assert_same_outputs, make_engine, tiny_model
 
 SHADOW_TIER = {"cache.num_kv_tokens": 160, "cache.num_mamba_slots": 6,
@@ -111,10 +111,10 @@ def test_warm_transfer_programs_then_no_compile(monkeypatch):
     import jax.numpy as jnp
 
     from mambacache.cache.host_tier import Transfer
-    from mambacache.engine import host_pools
-    from mambacache.engine.compiles import CompileCounter
-    from mambacache.engine.host_pools import HostPools, warm
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners import host_pools
+    from mambacache.engine.runners.compiles import CompileCounter
+    from mambacache.engine.runners.host_pools import HostPools, warm
+    from mambacache.engine.runners.pools import PoolState
 
     model_cfg = tiny_model()[0]
     pools = PoolState.create(model_cfg, num_pages=40, page_size=2, num_slots=4)
@@ -182,7 +182,7 @@ def test_warm_transfer_programs_then_no_compile(monkeypatch):
 def test_host_memory_kind_follows_the_device(platform, kinds, want):
     from types import SimpleNamespace
 
-    from mambacache.engine.host_pools import host_memory_kind
+    from mambacache.engine.runners.host_pools import host_memory_kind
 
     dev = SimpleNamespace(platform=platform, addressable_memories=lambda: [
         SimpleNamespace(kind=k) for k in kinds])

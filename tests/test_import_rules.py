@@ -41,12 +41,16 @@ def tree_copy(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("module, planted, contract", [
     ("mambacache/cache/allocator.py", "import jax", "cache-host-only"),
-    ("mambacache/cache/radix.py", "import mambacache.engine.pools", "cache-host-only"),
+    ("mambacache/cache/radix.py", "import mambacache.engine.step.batch", "cache-host-only"),
     ("mambacache/engine/scheduler.py", "import mambacache.bench.workloads", "engine-no-tools"),
     ("models/mtp.py", "import mambacache.config", "models-no-mambacache"),
     ("pallas_kernels/_common.py", "import models.layers", "kernels-standalone"),
     ("models/families/granite.py", "import models.loader", "families-no-engine"),
     ("models/families/granite.py", "import models.families.qwen", "families-independent"),
+    ("mambacache/engine/step/plan.py", "import mambacache.engine.runners.pools",
+     "engine-layers"),
+    ("mambacache/engine/leases/lease.py", "import mambacache.engine.speculative.verify",
+     "engine-layers"),
 ])
 def test_planted_import_breaks_its_contract(tree_copy, module, planted, contract):
     path = tree_copy / module

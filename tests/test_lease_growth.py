@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mambacache.config import CacheConfig
-from mambacache.engine.cache_manager import CacheManager
+from mambacache.engine.leases.cache_manager import CacheManager
 
 
 def _leases(page_size: int, num: int) -> tuple[CacheManager, list]:

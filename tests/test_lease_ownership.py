@@ -1,7 +1,8 @@
 """Ownership rules of the engine's host path, checked on the source (AST), each with a planted
 violation showing the check fails:
-  * only ``engine/lease.py`` (with its mixins ``lease_pages.py`` and ``lease_windows.py``) and
-    ``engine/cache_manager.py`` write a lease field (assignment,
+  * only ``engine/leases/lease.py`` (with its mixins ``leases/pages.py`` and ``leases/windows.py``)
+  and
+    ``engine/leases/cache_manager.py`` write a lease field (assignment,
     augmented assignment, item assignment, ``del`` or a mutating method call on the field);
   * no module reads or writes another object's private attribute: ``engine._x`` / ``sched._x``
     (the engine's objects) nowhere in ``mambacache/``; any ``obj._x`` nowhere in the engine's
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from mambacache.engine.lease import LEASE_FIELDS
+from mambacache.engine.leases.lease import LEASE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
-LEASE_WRITERS = {"mambacache/engine/lease.py", "mambacache/engine/lease_pages.py",
-                 "mambacache/engine/lease_windows.py", "mambacache/engine/cache_manager.py"}
+LEASE_WRITERS = {"mambacache/engine/leases/lease.py", "mambacache/engine/leases/pages.py",
+                 "mambacache/engine/leases/windows.py", "mambacache/engine/leases/cache_manager.py"}
 #: the tree's integrity check rebuilds every count from the allocators' and the tree's own
 #: internals: an auditor reading private state on purpose (``cache/integrity.py`` docstring)
 PRIVATE_READERS = {"mambacache/cache/integrity.py"}
@@ -158,8 +159,8 @@ def test_planted_lease_write_is_found(planted):
 
 
 @pytest.mark.parametrize("path, planted", [
-    ("mambacache/engine/speculative.py", "engine._advance(s)"),
-    ("mambacache/engine/speculative.py", "Scheduler._spec(sched, s)"),
+    ("mambacache/engine/speculative/verify.py", "engine._advance(s)"),
+    ("mambacache/engine/speculative/verify.py", "Scheduler._spec(sched, s)"),
     ("mambacache/serve/metrics.py", "sched._grow(req, 8)"),
     ("mambacache/serve/metrics.py", "x = self.engine.scheduler._out"),
 ])

@@ -64,7 +64,7 @@ def test_lm_eval_multiple_choice_runs_to_a_score(tmp_path, monkeypatch):
     except ImportError:
         pytest.fail("lm-eval is not installed: pip install -e '.[eval]'")
 
-    from mambacache.engine.scoring import Scorer
+    from mambacache.engine.runners.scoring import Scorer
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,5 @@
-"""``compile.while_loading`` (``engine/loading_compiles.py``): the warm-up's programs compile
-from abstract params and pools while the weights load; the warm-up then runs them without
+"""``compile.while_loading`` (``engine/runners/loading_compiles.py``): the warm-up's programs
+compile from abstract params and pools while the weights load; the warm-up then runs them without
 compiling, a request after it compiles nothing, the tokens are the plain path's, and a compile
 that failed in the pool raises at warm-up naming its program."""
 
@@ -9,8 +9,8 @@ import pytest
 
 import mambacache as mc
 from mambacache.engine.engine import Engine
-from mambacache.engine.loading_compiles import LoadingCompiles
-from mambacache.engine.runner import ModelRunner
+from mambacache.engine.runners.loading_compiles import LoadingCompiles
+from mambacache.engine.runners.model_runner import ModelRunner
 
 # odd sizes: programs no other test's engine compiled in this process
 SMALL = {"model.kernels": "reference", "scheduler.max_running_requests": 3,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import mambacache as mc
-from mambacache.engine.loading import load_model
+from mambacache.engine.runners.loading import load_model
 
 
 def test_real_preset_too_large_is_a_value_error_before_allocation():

@@ -1,6 +1,6 @@
-"""Penalties and grammar masks (``engine/logit_controls.py``): exact against a numpy reference
-written from the definitions, on the device inside the sampler, and through the engine (the
-overlapped loop feeds every row its whole history; a mask holds every sampled token)."""
+"""Penalties and grammar masks (``engine/sampling/logit_controls.py``): exact against a numpy
+reference written from the definitions, on the device inside the sampler, and through the engine
+(the overlapped loop feeds every row its whole history; a mask holds every sampled token)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from mambacache.engine.logit_controls import (
+from mambacache.engine.sampling.logit_controls import (
     RowControls,
     apply_controls,
     history_counts,
     pack_controls,
 )
-from mambacache.engine.sampling import SamplingBatch, sample
+from mambacache.engine.sampling.sampler import SamplingBatch, sample
 from tests.engine_helpers import make_engine, rand_tokens
 
 VOCAB = 97

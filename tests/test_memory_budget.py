@@ -296,7 +296,7 @@ def test_layerwise_resize_keeps_rows_and_zeroes_new_ones():
     rows copied, new rows zero, dtypes kept."""
     import jax.numpy as jnp
 
-    from mambacache.engine.pools import PoolState, pool_fields, resize_layerwise
+    from mambacache.engine.runners.pools import PoolState, pool_fields, resize_layerwise
     from models.presets import get_preset
 
     pools = PoolState.create(get_preset("tiny_qwen3_next"), 16, 2, 4)
@@ -313,7 +313,7 @@ def test_layerwise_resize_keeps_rows_and_zeroes_new_ones():
 def test_pool_resize_keeps_rows_and_zeroes_new_ones():
     import jax.numpy as jnp
 
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners.pools import PoolState
     from models.presets import get_preset
 
     pools = PoolState.create(get_preset("tiny_qwen3_next"), 16, 2, 4)
@@ -334,7 +334,7 @@ def test_device_split_follows_the_state_size_and_keeps_running_slots():
     and never fewer than two slots per running request (the tiny model's 66-token state)."""
     from mambacache.cache.budget import DEVICE_TOKENS_PER_STATE, device_state_share
     from mambacache.config import EngineConfig
-    from mambacache.engine.pools import size_pools
+    from mambacache.engine.runners.pools import size_pools
     from models.presets import get_preset
 
     assert device_state_share(409, 1, 1) == pytest.approx(409 / (409 + DEVICE_TOKENS_PER_STATE))
@@ -350,7 +350,7 @@ def test_device_split_follows_the_state_size_and_keeps_running_slots():
 
 
 def _bench_presets() -> list[str]:
-    """The presets ``python -m mambacache.bench`` runs (``spec_tree.toml``'s workload is
+    """The presets ``python -m mambacache.bench`` runs (``speculative.tree.toml``'s workload is
     ``scripts/bench_spec_tree.py``'s own, not a bench CLI workload)."""
     from mambacache.bench.workloads import WORKLOADS
     from mambacache.config import read_toml
@@ -372,8 +372,8 @@ def test_bench_preset_under_memory_bytes_alone(preset):
     import mambacache as mc
     from mambacache.bench.cli import load_setup
     from mambacache.engine.engine import Engine
-    from mambacache.engine.pools import model_byte_sizes
-    from mambacache.engine.speculative import num_state_slots
+    from mambacache.engine.runners.pools import model_byte_sizes
+    from mambacache.engine.speculative.verify import num_state_slots
     from models.presets import get_preset
     from tests.engine_helpers import assert_same_outputs
 

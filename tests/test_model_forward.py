@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mambacache.engine.batch import SeqSpec, build_forward_batch
-from mambacache.engine.pools import PoolState
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.step.batch import SeqSpec, build_forward_batch
 from models import PRESETS, ModelConfig, forward, get_preset, init_params, param_shapes
 from pallas_kernels import ops
 

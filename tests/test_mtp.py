@@ -1,6 +1,6 @@
-"""The ``mtp`` drafter (``models/mtp.py``, ``engine/drafters.py``) on the tiny model (fp32,
-reference kernels): the tokens of ``method = "none"`` exactly, logprobs within 1e-4; the drafts
-the step makes equal a from-scratch computation (target forward over the verified tokens, the
+"""The ``mtp`` drafter (``models/mtp.py``, ``engine/speculative/drafters.py``) on the tiny model
+(fp32, reference kernels): the tokens of ``method = "none"`` exactly, logprobs within 1e-4; the
+drafts the step makes equal a from-scratch computation (target forward over the verified tokens, the
 MTP layer over every position, the chain); a checkpoint's ``mtp.*`` tensors load.
 
 A random MTP head never agrees with a random target, which would leave acceptance untested.
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from mambacache.engine.batch import build_forward_batch
 from mambacache.engine.engine import Engine
-from mambacache.engine.loading import load_model
-from mambacache.engine.pools import PoolState
-from mambacache.engine.step_plan import SeqSpec
+from mambacache.engine.runners.loading import load_model
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.step.batch import build_forward_batch
+from mambacache.engine.step.plan import SeqSpec
 from models.model import forward
 from models.mtp import accepted_counts, mtp_layer, with_seeded_mtp
 from models.presets import get_preset

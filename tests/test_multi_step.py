@@ -1,6 +1,6 @@
-"""``scheduler.decode_steps`` (multi-step decode, ``engine/multi_step.py``): K decode iterations
-per dispatch give K = 1's tokens and logprobs (greedy and seeded sampling, overlap on and off),
-stops inside the K iterations freeze the row on the device (the next turn's cache hit equals
+"""``scheduler.decode_steps`` (multi-step decode, ``engine/runners/multi_step.py``): K decode
+iterations per dispatch give K = 1's tokens and logprobs (greedy and seeded sampling, overlap on and
+off), stops inside the K iterations freeze the row on the device (the next turn's cache hit equals
 cache off), a short pool runs fewer iterations, warm-up compiles the K-step programs. The
 shadow fuzz with K > 1 is in ``test_engine_fuzz.py``."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from mambacache.engine.shadow_runner import ShadowRunner
+from mambacache.engine.shadow.runner import ShadowRunner
 from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
 from tests.shadow_helpers import shadow_engine
 

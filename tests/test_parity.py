@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mambacache.engine.batch import SeqSpec, build_forward_batch
-from mambacache.engine.pools import PoolState
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.step.batch import SeqSpec, build_forward_batch
 from models import forward, load_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"

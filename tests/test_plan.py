@@ -93,7 +93,7 @@ def test_kv_heads_repeat_when_tp_exceeds_them():
 
 
 def test_unit_bytes_match_real_pools():
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners.pools import PoolState
 
     cfg = get_preset("tiny_qwen3_next")
     mesh = make_mesh(1)

@@ -13,8 +13,8 @@ import pytest
 from jax import lax
 from jax.extend import core as jex_core
 
-from mambacache.engine.batch import SeqSpec, build_forward_batch
-from mambacache.engine.pools import PoolState
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.step.batch import SeqSpec, build_forward_batch
 from models import PRESETS, forward, init_params
 from models.precision import exact_matmuls
 

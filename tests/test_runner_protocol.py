@@ -6,9 +6,9 @@ import inspect
 import re
 
 from mambacache.config import EngineConfig
-from mambacache.engine.runner import ModelRunner
 from mambacache.engine.runner_protocol import Runner
-from mambacache.engine.shadow_runner import ShadowRunner
+from mambacache.engine.runners.model_runner import ModelRunner
+from mambacache.engine.shadow.runner import ShadowRunner
 
 MEMBERS = [n for n in dir(Runner) if not n.startswith("_")] + ["model_cfg", "last_drafts"]
 

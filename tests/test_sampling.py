@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-import mambacache.engine.sampling_params
-from mambacache.engine.sampling import SamplingBatch, _sample_row, sample
+import mambacache.engine.sampling.params
+from mambacache.engine.sampling.sampler import SamplingBatch, _sample_row, sample
 
 
 def _logits(rows: int = 6, vocab: int = 97) -> jax.Array:
@@ -50,7 +50,7 @@ def test_sampling_params_accept_numpy_ints_and_reject_bools_strings_floats():
         ({"max_new_tokens": 0}, ["max_new_tokens", "[1, 1048576]", "0"]),
         ({"temperature": "0.5"}, ["temperature", "number", "'0.5'"]),
         ({"temperature": float("nan")}, ["temperature", "[0, 100]"]),
-        ({"top_k": 2**40}, ["top_k", "1099511627776", str(mc.engine.sampling_params.TOP_K_LIMIT)]),
+        ({"top_k": 2**40}, ["top_k", "1099511627776", str(mc.engine.sampling.params.TOP_K_LIMIT)]),
         ({"top_k": -1}, ["top_k", "[0, 1048576]"]),
         ({"top_p": 0.0}, ["top_p", "(0, 1]"]),
         ({"seed": 2**31}, ["seed", "[0, 2147483647]", "2147483648"]),

@@ -1,4 +1,4 @@
-"""Speculative decoding overlapped with the host (``engine/spec_chain.py``, issue 30): a
+"""Speculative decoding overlapped with the host (``engine/speculative/chain.py``, issue 30): a
 request's next row is dispatched before its verify row is read, shifted on the device by the
 verify's outcome (MTP: drafts made on the device); ngram rows wait for their tokens and verify
 the synchronous loop's drafts (issue 39). Outputs equal the synchronous loop's (greedy tokens,

@@ -1,5 +1,5 @@
-"""Draft trees (``speculative.topk`` > 1, ``engine/spec_tree.py``): config limits, the drafters'
-branches, the shadow runner's data-flow oracle over every branch row (outputs of
+"""Draft trees (``speculative.verify.topk`` > 1, ``engine/speculative/tree.py``): config limits, the
+drafters' branches, the shadow runner's data-flow oracle over every branch row (outputs of
 ``method = "none"``, cache on and off, chunk cuts, preemption, failing steps, a planted bug:
 the winner's pages not adopted), and the real tiny model (tokens of ``none`` exactly, logprobs
 within 1e-4, greedy and seeded sampling; the MTP head's top-k)."""
@@ -11,9 +11,9 @@ import pytest
 
 import mambacache as mc
 from mambacache.config import SpeculativeConfig
-from mambacache.engine.drafters import Drafter, NgramDrafter
-from mambacache.engine.lease import Lease
-from mambacache.engine.shadow_runner import DataflowError
+from mambacache.engine.leases.lease import Lease
+from mambacache.engine.shadow.runner import DataflowError
+from mambacache.engine.speculative.drafters import Drafter, NgramDrafter
 from tests.engine_helpers import (
     assert_same_outputs,
     make_engine,
@@ -83,7 +83,7 @@ def test_tree_accepts_at_least_its_chain(monkeypatch, page):
     """Issue 39: on every step a tree runs, its first branch is the chain's drafts (the
     drafter's ``propose`` over the same tokens, the same length) and the tree accepts at least
     what that chain would (branch 0's row samples the chain row's tokens)."""
-    from mambacache.engine.speculative import SpecDecoder, accepted_drafts
+    from mambacache.engine.speculative.verify import SpecDecoder, accepted_drafts
 
     seen = []
     orig = SpecDecoder.choose_branch
@@ -145,7 +145,7 @@ def test_trees_run_synchronously():
     """On a runner that chains rows on the device (``spec_k``), a chain keeps the overlapped
     loop and a tree falls back to the synchronous one (never a tree chained in flight)."""
     from mambacache.engine.engine import Engine
-    from mambacache.engine.shadow_runner import ShadowRunner
+    from mambacache.engine.shadow.runner import ShadowRunner
 
     depth = {}
     for topk in (1, 4):
@@ -168,7 +168,7 @@ def test_planted_bug_winner_pages_not_adopted(monkeypatch):
 def test_planted_bug_branch_page_not_copied(monkeypatch):
     """Page size 4: the oracle catches a branch row whose first page lacks the tokens before
     its start (the copy skipped); with the copy, the same run is exact and copies happened."""
-    from mambacache.engine.shadow_runner import ShadowRunner
+    from mambacache.engine.shadow.runner import ShadowRunner
 
     copied = []
     orig = ShadowRunner.copy_pages

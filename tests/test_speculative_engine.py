@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import mambacache as mc
-from mambacache.engine.drafters import Drafter
-from mambacache.engine.sampling import SamplingBatch, sample
-from mambacache.engine.speculative import accepted_drafts
+from mambacache.engine.sampling.sampler import SamplingBatch, sample
+from mambacache.engine.speculative.drafters import Drafter
+from mambacache.engine.speculative.verify import accepted_drafts
 from tests.engine_helpers import (
     assert_same_outputs,
     make_engine,

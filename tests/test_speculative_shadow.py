@@ -11,10 +11,10 @@ from shadow_helpers import greedy, greedy_outputs, random_prompts, shadow_engine
 
 import mambacache as mc
 from mambacache.config import SpeculativeConfig
-from mambacache.engine.drafters import MtpDrafter, NgramDrafter, make_drafter
-from mambacache.engine.lease import Lease
-from mambacache.engine.shadow_runner import DataflowError
-from mambacache.engine.speculative import SpecDecoder
+from mambacache.engine.leases.lease import Lease
+from mambacache.engine.shadow.runner import DataflowError
+from mambacache.engine.speculative.drafters import MtpDrafter, NgramDrafter, make_drafter
+from mambacache.engine.speculative.verify import SpecDecoder
 
 VOCAB = 12
 ORACLE = {"markov": 1, "vocab_size": VOCAB}  # outputs cycle: prompt lookup hits

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mambacache.engine.step_plan import SeqSpec, is_decode_step, step_hazards
+from mambacache.engine.step.plan import SeqSpec, is_decode_step, step_hazards
 
 
 def _row(prefix, n, pages, read, write, snaps=()):

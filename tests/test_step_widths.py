@@ -1,5 +1,5 @@
 """Decode widths follow the running batch on a ladder of powers of two; extend steps run at the
-widest (bounded programs: ``engine/buckets.py``)."""
+widest (bounded programs: ``engine/step/buckets.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 from engine_helpers import make_engine, rand_tokens
 
 import mambacache as mc
-from mambacache.engine.runner import ModelRunner
-from mambacache.engine.step_plan import SeqSpec
+from mambacache.engine.runners.model_runner import ModelRunner
+from mambacache.engine.step.plan import SeqSpec
 
 
 def _decode_rows(n: int) -> list[SeqSpec]:

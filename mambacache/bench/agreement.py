@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mambacache.config import EngineConfig, parse_set_args
-from mambacache.engine.batch import SeqSpec, build_forward_batch
 from mambacache.engine.engine import Engine
-from mambacache.engine.loading import load_model, model_dtype
-from mambacache.engine.pools import PoolState
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.runners.loading import load_model, model_dtype
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.sampling.params import SamplingParams
+from mambacache.engine.step.batch import SeqSpec, build_forward_batch
 from models import forward
 
 

@@ -88,8 +88,8 @@ def _median_dict(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_bench(setup: BenchSetup, *, progress: bool = True) -> dict[str, Any]:
     """Warm up, then time ``repeats`` alternating on/off pairs; the JSON-ready result."""
-    from mambacache.engine.compile_cache import use_compile_cache
     from mambacache.engine.engine import Engine, load_model
+    from mambacache.engine.runners.compile_cache import use_compile_cache
 
     use_compile_cache(setup.engine.compile)  # the random init's compiles too
     t = time.perf_counter()

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mambacache.bench.workloads import BenchItem, IdealHits, check_ints
-from mambacache.engine.compiles import count_compiles
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.runners.compiles import count_compiles
+from mambacache.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine
@@ -81,7 +81,7 @@ def run_pass(engine: Engine, source: Any, bench: BenchSection, *, label: str = "
     done: list[Finished] = []
     bar = _progress_bar(source.total, label) if progress else None
     t0 = time.perf_counter()
-    with count_compiles() as compiled:  # every XLA compile of the pass (engine/compiles.py)
+    with count_compiles() as compiled:  # every XLA compile of the pass (engine/runners/compiles.py)
         _drive(engine, source, bench, ideal, done, bar, t0)
     duration_s = time.perf_counter() - t0
     if bar is not None:

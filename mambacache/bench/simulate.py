@@ -7,7 +7,7 @@ A trace is JSON Lines, one request a line: ``{"prompt": [ids...], "output": [ids
 ``output`` plays the part of what the model generated. The requests go through the engine
 itself (``Engine`` + ``Scheduler`` + the radix cache): admission, chunked prefill, in-batch
 dedup, page-boundary snapshots, preemption, finish; only the model is replaced, by the shadow
-runner (``mambacache.engine.shadow_runner``), which computes nothing but checks every state and
+runner (``mambacache.engine.shadow.runner``), which computes nothing but checks every state and
 KV read against the token prefix it needs. So the hit rates are the engine's, and a scheduling
 bug is an error here too. ``--concurrency N`` is ``scheduler.max_running_requests``; every request
 is queued at once. One that can never fit the pools is dropped and counted.
@@ -45,8 +45,8 @@ from absl import logging as absl_logging
 
 from mambacache.config import CacheConfig, EngineConfig, parse_set_args
 from mambacache.engine.engine import Engine
-from mambacache.engine.sampling_params import SamplingParams
-from mambacache.engine.shadow_runner import ShadowRunner
+from mambacache.engine.sampling.params import SamplingParams
+from mambacache.engine.shadow.runner import ShadowRunner
 
 
 # ------------------------------------------------------------------------------- traces
@@ -185,7 +185,7 @@ def budget_config(cfg: EngineConfig, requests: list[dict[str, list[int]]]) -> En
     host pools: KV and states share the bytes). Byte sizes: ``cache.state_bytes`` /
     ``cache.kv_bytes_per_token``, else ``model.preset``'s (a real-size preset allocates
     nothing); the context a request must fit is the trace's longest request."""
-    from mambacache.engine.pools import size_pools
+    from mambacache.engine.runners.pools import size_pools
 
     model_cfg = None
     cc = cfg.cache

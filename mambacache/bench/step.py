@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from mambacache.bench import step_cost
-from mambacache.engine.batch import SeqSpec, build_forward_batch
-from mambacache.engine.pools import PoolState
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.step.batch import SeqSpec, build_forward_batch
 from models.config import ModelConfig
 from models.model import forward
 from models.params import param_shapes

@@ -1,5 +1,6 @@
-"""Host-only prefix cache: allocators, the radix tree (match / insert / evict), eviction policies,
-the integrity check, the disabled cache, the snapshot plan, and tree <-> plain data.
+"""The host-only prefix cache: allocators, the radix tree, eviction, the snapshot plan.
+
+Also the integrity check, the disabled cache, the host tier and tree <-> plain data.
 
 Nothing here imports JAX, the engine or the tools around it (an import-linter contract in
 pyproject.toml, checked by ``tests/test_import_rules.py``): the tree deals in numpy int ids of KV

@@ -11,7 +11,7 @@ page, state slot 0 the zero state). Every id is in exactly one of three states, 
   for ids held by running requests without the engine passing them in;
 * ``TREE``: owned by the radix tree (``adopt`` moves HELD -> TREE, ``release`` TREE -> FREE).
 
-An id limit (``set_limit``, the device split moving: ``engine/rebalance.py``): ids above
+An id limit (``set_limit``, the device split moving: ``engine/runners/rebalance.py``): ids above
 ``limit`` are never handed out. A FREE id above it leaves the free list (``FENCED``); a HELD or
 TREE id above it stays as it is until it is given back, then it is FENCED instead of FREE.
 ``in_use_above_limit()`` counts those, so a shrink knows when no id above the new rows is in use.

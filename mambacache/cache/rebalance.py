@@ -1,5 +1,5 @@
 """Where the device split between KV pages and state slots should move: the splits and the
-decision (host only, no JAX; the move itself is ``engine/rebalance.py``).
+decision (host only, no JAX; the move itself is ``engine/runners/rebalance.py``).
 
 Device pools are two arrays per layer kind, so a byte budget is split into a page count and a
 slot count. ``device_splits`` gives the few splits a model's pools may take: the formula's

@@ -96,7 +96,7 @@ class TreeEviction:
     def evict_above(self, page_limit: int, slot_limit: int) -> None:
         """Drop every unlocked entry holding a slot above ``slot_limit`` (its state) or a page
         above ``page_limit`` (the node's whole subtree, whose prefix needs that KV; unlocked
-        when the node is): the ids a shrinking device pool loses (``engine/rebalance.py``).
+        when the node is): the ids a shrinking device pool loses (``engine/runners/rebalance.py``).
         Locked entries stay; their requests unlock them."""
         for node in [n for n in self.lru_state if n.slot > slot_limit and not n.mamba_lock_ref]:
             if not node.alive or node.slot is None:

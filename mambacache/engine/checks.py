@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine

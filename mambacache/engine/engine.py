@@ -22,20 +22,20 @@ from absl import logging
 
 from mambacache.cache.base import CacheBase
 from mambacache.config import EngineConfig
-from mambacache.engine.cache_manager import CacheManager
 from mambacache.engine.checks import check_engine_integrity, validate_request
-from mambacache.engine.loading import load_model, model_dtype
+from mambacache.engine.leases.cache_manager import CacheManager
 from mambacache.engine.metrics import EngineMetrics
 from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request, RequestOutput
 from mambacache.engine.runner_protocol import InFlight, Runner
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.runners.loading import load_model, model_dtype
+from mambacache.engine.sampling.params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
-from mambacache.engine.speculative import spec_metrics
+from mambacache.engine.speculative.verify import spec_metrics
 from mambacache.engine.step_loop import StepLoop
 from mambacache.engine.thread_guard import owned
 
 if TYPE_CHECKING:
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners.pools import PoolState
 
 __all__ = ["Engine", "load_model", "model_dtype"]
 
@@ -77,18 +77,18 @@ class Engine:
         device; its ``model_cfg`` gives the vocabulary and context length).
         ``warmup_max_seq_len``: the caller warms up next with this bound (0: the model's
         context); with ``compile.while_loading`` "auto" the warm-up's programs then compile
-        while the weights load (``engine/loading_compiles.py``)."""
+        while the weights load (``engine/runners/loading_compiles.py``)."""
         self.cfg = cfg = cfg if cfg is not None else EngineConfig()
         self.mesh = None  # [parallel] a jax Mesh when parallel.tensor_parallel > 1
         self.loading_compiles: Any = None  # [compile.while_loading] joined by ``warmup``
         if runner is not None:
             self.model_cfg, self.runner = cfg.model.capped(runner.model_cfg), runner
             if cfg.cache.has_budget:  # [issue 25] a byte budget: derive the pools
-                from mambacache.engine.pools import size_pools
+                from mambacache.engine.runners.pools import size_pools
 
                 self.cfg = cfg = size_pools(cfg, self.model_cfg)[0]
         else:
-            from mambacache.engine.compile_cache import use_compile_cache
+            from mambacache.engine.runners.compile_cache import use_compile_cache
 
             use_compile_cache(cfg.compile)  # before the first compile (the random init's)
             if model is None:
@@ -106,7 +106,7 @@ class Engine:
             self.runner = self._model_runner(params)
             cfg = self.cfg  # [issue 25] pools sized from the byte budget in _model_runner
         if cfg.cache.host_memory_bytes and cfg.cache.enable:  # [host tier] its byte units
-            from mambacache.engine.pools import model_byte_sizes
+            from mambacache.engine.runners.pools import model_byte_sizes
 
             state, kv = model_byte_sizes(cfg, self.model_cfg)
             self.cfg = cfg = cfg.replace(**{"cache.state_bytes": state,
@@ -122,7 +122,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.manager)
         self.rebalancer = None  # [rebalance] the device split moving between steps
         if cfg.cache.rebalance and cfg.cache.device_splits:
-            from mambacache.engine.rebalance import Rebalancer
+            from mambacache.engine.runners.rebalance import Rebalancer
 
             self.rebalancer = Rebalancer(self)
         self.requests: dict[int, Request] = {}
@@ -130,7 +130,7 @@ class Engine:
         self.stats = EngineMetrics()
         # the step loop: overlapped (depth 1) unless off; with speculative decoding only on a
         # runner that shifts chained rows on the device (``spec_k``; not the shadow runner)
-        # and with chains only (draft trees, ``speculative.topk`` > 1, run synchronously)
+        # and with chains only (draft trees, ``speculative.verify.topk`` > 1, run synchronously)
         spec = cfg.speculative
         chains = getattr(self.runner, "spec_k", 0) > 0 and spec.topk == 1
         self.overlap = cfg.scheduler.overlap and (chains or not spec.enabled)
@@ -144,15 +144,15 @@ class Engine:
 
     def _start_loading_compiles(self, warmup_max_seq_len: int | None) -> None:
         """[compile.while_loading] Start the warm-up's compiles before the weights load."""
-        from mambacache.engine.loading_compiles import LoadingCompiles, wanted
+        from mambacache.engine.runners.loading_compiles import LoadingCompiles, wanted
 
         if self.cfg.compile.ahead_of_time and wanted(self.cfg, warmup_max_seq_len is not None):
             self.loading_compiles = LoadingCompiles.start(self.cfg, warmup_max_seq_len or None)
 
     def _model_runner(self, params: Any) -> Runner:
-        from mambacache.engine.loading_compiles import create_pools, runner_kwargs
-        from mambacache.engine.pools import size_pools
-        from mambacache.engine.runner import ModelRunner
+        from mambacache.engine.runners.loading_compiles import create_pools, runner_kwargs
+        from mambacache.engine.runners.model_runner import ModelRunner
+        from mambacache.engine.runners.pools import size_pools
 
         cfg = self.cfg
         if cfg.parallel.tensor_parallel > 1:
@@ -160,7 +160,7 @@ class Engine:
 
             validate_tensor_parallel(self.model_cfg, cfg.parallel.tensor_parallel)
             self.mesh = make_mesh(cfg.parallel.tensor_parallel)
-        # [issue 25] cache.memory_bytes / memory_fraction -> pool sizes (engine/pools.py)
+        # [issue 25] cache.memory_bytes / memory_fraction -> pool sizes (engine/runners/pools.py)
         device_budget = None
         if cfg.cache.memory_fraction:
             from mambacache.parallel.mesh import make_mesh
@@ -280,11 +280,11 @@ class Engine:
                progress: Any = None) -> dict[str, Any]:
         """Compile every step program this configuration can run (sequences up to
         ``max_seq_len`` tokens; default the model's context) on an idle engine, leaving its
-        cache, pools and metrics as they were (``engine/warmup.py``); ``logit_controls``: the
-        penalty / grammar variants too. Returns ``programs``, ``compiles`` (XLA compiles JAX
+        cache, pools and metrics as they were (``engine/runners/warmup.py``); ``logit_controls``:
+        the penalty / grammar variants too. Returns ``programs``, ``compiles`` (XLA compiles JAX
         reported), ``cache_hits``, ``compile_s``, ``seconds``, ``controls_programs``,
         ``program_list``; ``progress(line)`` hears each stage."""
-        from mambacache.engine.warmup import warmup
+        from mambacache.engine.runners.warmup import warmup
 
         self.warmup_stats = warmup(self, max_seq_len, logit_controls, progress)
         return self.warmup_stats

@@ -91,7 +91,7 @@ class EngineMetrics:
             decode_program_share=(self.decode_program_steps / self.pure_decode_steps
                                   if self.pure_decode_steps else None),
             programs_compiled=engine.runner.programs_compiled,  # XLA compiles in steps
-            compile_s=getattr(engine.runner, "compile_s", 0.0),  # engine/compiles.py
+            compile_s=getattr(engine.runner, "compile_s", 0.0),  # engine/runners/compiles.py
             step_programs=len(getattr(engine.runner, "program_keys", ())),  # shapes run
             programs_per_width=engine.runner.programs_per_width(),
             device_idle_share=1.0 - self.busy_s / self.active_s if self.active_s else None,

@@ -2,8 +2,8 @@
 one dispatch, and each row's iterations, pages, boundary snapshot and first token.
 
 The scheduler's decode side when K > 1 (``Scheduler.schedule`` calls both functions; the device
-side is ``engine/multi_step.py``, the oracle's ``engine/shadow_multi.py``). A step runs K only if
-every running request decodes and nothing waiting could be admitted now (TTFT first: an
+side is ``engine/runners/multi_step.py``, the oracle's ``engine/shadow/multi.py``). A step runs K
+only if every running request decodes and nothing waiting could be admitted now (TTFT first: an
 admissible request makes the step a plain one), and every row stops on the device only. A row
 runs ``steps`` <= K iterations (``ScheduledSeq.steps``): up to its ``max_new_tokens``, one page
 boundary at most (its state to a fresh slot, ``Lease.plan_decode_window``), the pages the pool
@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mambacache.engine.request import RUNNING
-from mambacache.engine.step_plan import MAX_DEVICE_STOPS, PLACEHOLDER, ScheduledSeq, SeqSpec
+from mambacache.engine.step.plan import MAX_DEVICE_STOPS, PLACEHOLDER, ScheduledSeq, SeqSpec
 
 if TYPE_CHECKING:
-    from mambacache.engine.cache_manager import CacheManager
+    from mambacache.engine.leases.cache_manager import CacheManager
     from mambacache.engine.request import Request
 
 

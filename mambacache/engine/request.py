@@ -1,7 +1,7 @@
 """Host-side request state: tokens, sampling params, status, outputs, timing, and its lease.
 
 A request's cache state (matched node, slots, pages, planned snapshots, scratch lane, computed
-tokens) is its ``lease`` (``engine/lease.py``), changed only by the lease's transitions.
+tokens) is its ``lease`` (``engine/leases/lease.py``), changed only by the lease's transitions.
 
 Invariants:
   * ``token_ids`` are the known tokens (prompt + outputs read); ``lease.num_computed`` of them
@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mambacache.engine.lease import Lease
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mambacache.engine.leases.lease import Lease
 
 
 class Status(enum.Enum):

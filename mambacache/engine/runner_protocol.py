@@ -1,7 +1,7 @@
 """What the step loop (``step_loop.py``) needs of a runner, and its record of a dispatched step.
 
-``Runner`` is a ``typing.Protocol``: ``ModelRunner`` (``runner.py``, the device) and
-``ShadowRunner`` (``shadow_runner.py``, the data-flow oracle) both satisfy it
+``Runner`` is a ``typing.Protocol``: ``ModelRunner`` (``runners/model_runner.py``, the device) and
+``ShadowRunner`` (``shadow/runner.py``, the data-flow oracle) both satisfy it
 (``tests/test_runner_protocol.py``). ``InFlight`` is one dispatched step whose sampled tokens
 have not been read yet.
 """
@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from mambacache.engine.step_plan import ScheduledSeq
+from mambacache.engine.step.plan import ScheduledSeq
 
 
 @runtime_checkable
@@ -33,7 +33,7 @@ class Runner(Protocol):
 
     def run_multi(self, scheduled: Sequence[ScheduledSeq], iterations: int) -> tuple[Any, Any]:
         """[multi-step decode] Dispatch ``iterations`` decode iterations of decode rows (row i
-        runs ``scheduled[i].steps`` of them, fewer if it stops: ``engine/multi_step.py``);
+        runs ``scheduled[i].steps`` of them, fewer if it stops: ``engine/runners/multi_step.py``);
         tokens and logprobs ``[iterations, rows]``."""
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None: ...

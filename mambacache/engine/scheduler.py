@@ -32,12 +32,12 @@ import numpy as np
 from absl import logging
 
 from mambacache.config import EngineConfig
-from mambacache.engine.admission import admit
-from mambacache.engine.cache_manager import CacheManager
+from mambacache.engine.leases.admission import admit
+from mambacache.engine.leases.cache_manager import CacheManager
 from mambacache.engine.multi_plan import multi_step_ok, multi_step_rows
 from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request
-from mambacache.engine.speculative import SpecDecoder
-from mambacache.engine.step_plan import PLACEHOLDER, ScheduledSeq, SeqSpec
+from mambacache.engine.speculative.verify import SpecDecoder
+from mambacache.engine.step.plan import PLACEHOLDER, ScheduledSeq, SeqSpec
 
 __all__ = ["ScheduledSeq", "Scheduler"]
 

@@ -21,7 +21,7 @@ One ``Engine.step`` call:
 row in flight samples: at depth 1 that step is read before the next one is scheduled (when a
 row of it samples for a running request), so every verify row is the synchronous loop's (the
 same drafts on the same steps). Drafts made on the device (``mtp``) chain instead
-(``engine/spec_chain.py``).
+(``engine/speculative/chain.py``).
 
 [multi-step decode] A step the scheduler planned with ``iterations`` K > 1 is dispatched with
 ``Runner.run_multi``: each row samples up to its ``steps`` tokens (``[K, rows]``), all pending
@@ -45,7 +45,7 @@ from absl import logging
 
 from mambacache.engine.request import FINISHED, RUNNING, Request, RequestOutput
 from mambacache.engine.runner_protocol import InFlight
-from mambacache.engine.step_plan import ScheduledSeq, first_logit_row
+from mambacache.engine.step.plan import ScheduledSeq, first_logit_row
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine
@@ -308,7 +308,7 @@ class StepLoop:
     def _accept_verify(self, s: ScheduledSeq, tokens: np.ndarray, logprobs: np.ndarray,
                        now: float) -> RequestOutput | None:
         """[speculative] Emit the verified prefix of a verify row plus the target's next token
-        (``engine/speculative.py``); the request's state becomes the one after them."""
+        (``engine/speculative/verify.py``); the request's state becomes the one after them."""
         req, n_out = s.req, len(s.req.output_ids)
         emitted = self.engine.scheduler.accept_verify(
             s, tokens, lambda j: self.finish_reason(req, int(tokens[j]), n_out + j + 1) is not None)

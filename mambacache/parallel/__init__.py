@@ -1,3 +1,5 @@
-"""Tensor parallelism and persistence: the device mesh and shardings (``mesh``), Orbax
-checkpoints of params and of the cache (``checkpoint``), per-device memory tracking
-(``device_memory``)."""
+"""Tensor parallelism, persistence, device memory, topologies, sizing and the plan.
+
+The device mesh and shardings (``mesh``), Orbax checkpoints of params and of the cache
+(``checkpoint``), per-device memory tracking (``device_memory``).
+"""

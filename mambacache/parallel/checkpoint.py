@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
     from mambacache.engine.engine import Engine
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners.pools import PoolState
     from models.config import ModelConfig
 
 FORMAT_VERSION = 2  # 2: pools in the directory meta.json names, row checksums

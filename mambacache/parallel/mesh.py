@@ -35,7 +35,7 @@ from pallas_kernels.ops import TP_AXIS
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine
-    from mambacache.engine.pools import PoolState
+    from mambacache.engine.runners.pools import PoolState
     from models.config import ModelConfig
 
 TP = TP_AXIS  # one name for the mesh axis, shared with the kernel ops

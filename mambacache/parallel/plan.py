@@ -79,7 +79,7 @@ def _mesh_for(topo: Topology, tp: int):
 def plan(cfg: EngineConfig, topology: str, *, context_len: int | None = None) -> dict[str, Any]:
     """The plan for ``cfg`` on ``topology`` as one JSON-able dict (keys in the module doc and
     ``docs/parallel.md``). ``ValueError`` for a config the topology cannot even shard."""
-    from mambacache.engine.loading import model_dtype
+    from mambacache.engine.runners.loading import model_dtype
     from mambacache.parallel import sizing
     from mambacache.parallel.mesh import (
         param_shardings,
@@ -141,7 +141,7 @@ def _pools(cfg: EngineConfig, head: str, hbm: int, weights: int, step: int, slot
     budget is ``cache.memory_bytes`` or ``cache.memory_fraction`` of what is left (negative:
     short by that much)."""
     from mambacache.cache.budget import budget_from_fraction
-    from mambacache.engine.pools import size_pools
+    from mambacache.engine.runners.pools import size_pools
     from mambacache.parallel.sizing import memory_fraction
 
     left = hbm - weights - step
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = EngineConfig.load(opts.config, parse_set_args(opts.set))
         if opts.topology == "local":  # a compile-only client cannot load a cached program
-            from mambacache.engine.compile_cache import use_compile_cache
+            from mambacache.engine.runners.compile_cache import use_compile_cache
 
             use_compile_cache(cfg.compile)  # a second plan of the same config compiles nothing
         result = plan(cfg, opts.topology, context_len=opts.context_len)

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from mambacache.engine.batch import build_forward_batch
-from mambacache.engine.buckets import StepShape, bucket
-from mambacache.engine.pools import PoolState
-from mambacache.engine.sampling import SamplingBatch
-from mambacache.engine.step_plan import SeqSpec
-from mambacache.engine.step_program import jitted_sharded_step
+from mambacache.engine.runners.pools import PoolState
+from mambacache.engine.runners.step_program import jitted_sharded_step
+from mambacache.engine.sampling.sampler import SamplingBatch
+from mambacache.engine.step.batch import build_forward_batch
+from mambacache.engine.step.buckets import StepShape, bucket
+from mambacache.engine.step.plan import SeqSpec
 from mambacache.parallel.mesh import param_shardings, pool_shardings, replicated
 
 if TYPE_CHECKING:
@@ -71,8 +71,8 @@ def largest_step_shapes(cfg: EngineConfig, model_cfg: ModelConfig) -> dict[str, 
     """The engine's widest programs (``warmup.engine_buckets``' program set, pages for the
     model's whole context): the extend step with the most tokens and logits rows, and the
     widest decode step."""
-    from mambacache.engine.speculative import max_rows
-    from mambacache.engine.warmup import engine_buckets
+    from mambacache.engine.runners.warmup import engine_buckets
+    from mambacache.engine.speculative.verify import max_rows
 
     programs = engine_buckets(cfg, model_cfg,
                               bucket(max_rows(cfg), 1)).program_set()

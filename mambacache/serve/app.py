@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.sampling.params import SamplingParams
 from mambacache.serve import choices, sglang_api, structured, tool_calls
 from mambacache.serve.auth import Auth
 from mambacache.serve.engine_loop import EngineLoop

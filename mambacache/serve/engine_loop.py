@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mambacache.engine.request import RequestOutput
-from mambacache.engine.sampling_params import SamplingParams
+from mambacache.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine

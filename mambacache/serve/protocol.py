@@ -2,7 +2,7 @@
 OpenAI-shaped HTTP 400 bodies that name the field and the limit.
 
 Every field the server reads is declared here, with the engine's
-bounds (``engine/sampling_params.py``), so a request the protocol accepts always packs
+bounds (``engine/sampling/params.py``), so a request the protocol accepts always packs
 (penalties included: ``presence_penalty`` / ``frequency_penalty`` in [-2, 2],
 ``repetition_penalty`` in (0, 2]). Top logprobs (up to ``TOP_LOGPROBS_LIMIT``) and
 ``echo`` are served by ``scored_logprobs.py``; ``response_format`` and a forced
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mambacache.engine.sampling_params import (
+from mambacache.engine.sampling.params import (
     MAX_NEW_TOKENS_LIMIT,
     MAX_STOP_TOKEN_IDS,
     PENALTY_LIMIT,
@@ -28,7 +28,7 @@ from mambacache.engine.sampling_params import (
 )
 
 MAX_STOP_STRINGS = 16
-TOP_LOGPROBS_LIMIT = 20  # OpenAI's; engine/scoring.py MAX_TOP_N
+TOP_LOGPROBS_LIMIT = 20  # OpenAI's; engine/runners/scoring.py MAX_TOP_N
 N_LIMIT = 16  # choices per prompt
 
 

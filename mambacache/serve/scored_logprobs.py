@@ -2,8 +2,8 @@
 ``logprobs: N``, chat ``top_logprobs: N``, N <= 20) and ``echo`` with prompt logprobs.
 
 The answer is generated as usual; then prompt + output are scored once from scratch on the
-engine thread (``engine/scoring.py``: every position it needs is computed, the radix cache is
-neither read nor changed), so a prompt's logprobs are the same whether its prefix was cached or
+engine thread (``engine/runners/scoring.py``: every position it needs is computed, the radix cache
+is neither read nor changed), so a prompt's logprobs are the same whether its prefix was cached or
 not, and the output tokens' logprobs equal the sampler's (within float error). ``usage`` says
 what was recomputed: ``prompt_tokens_details.scored_tokens``. The first prompt token has no
 logprob (``null``). Streamed (one choice): the scored answer is sent as one chunk per token,
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mambacache.engine.scoring import Scored, Scorer
+from mambacache.engine.runners.scoring import Scored, Scorer
 from mambacache.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:

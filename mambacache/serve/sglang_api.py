@@ -31,7 +31,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BeforeValidator, Field
 
-from mambacache.engine.sampling_params import (
+from mambacache.engine.sampling.params import (
     MAX_STOP_TOKEN_IDS,
     PENALTY_LIMIT,
     REPETITION_PENALTY_LIMIT,

@@ -1,7 +1,7 @@
 """Structured output: ``response_format`` (``json_object``, ``json_schema``), ``tools`` with
 ``tool_choice`` ``"required"`` or a named function, and ``/generate``'s ``json_schema`` /
 ``regex``, as grammars (llguidance) whose token masks the sampler applies on the device
-(``engine/logit_controls.py``).
+(``engine/sampling/logit_controls.py``).
 
 llguidance, not xgrammar: xgrammar 0.2.9's wheel requires torch, transformers and triton and
 imports torch and transformers when imported; llguidance (the grammar engine vLLM and SGLang
@@ -191,7 +191,7 @@ def for_openai(server: Any, req: Any, chat: bool) -> Grammar | None:
 
 
 def for_sglang(server: Any, sp: Any) -> Grammar | None:
-    """``/generate``'s ``sampling_params.json_schema`` (a string, as SGLang takes it) or
+    """``/generate``'s ``sampling.params.json_schema`` (a string, as SGLang takes it) or
     ``regex``."""
     if sp.json_schema is not None:
         try:

@@ -1,5 +1,6 @@
-"""The model families, registered by name in ``models/family_registry.py`` (``FAMILIES``,
-``get_family``, ``detect_family`` re-exported here).
+"""The model families, each registered by name in ``models/family_registry.py``.
+
+``FAMILIES``, ``get_family``, ``detect_family`` are re-exported here.
 
 Adding a family touches its own module under ``models/families/``, the ``register`` call here
 and the tests.

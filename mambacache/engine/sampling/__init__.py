@@ -1,0 +1,1 @@
+"""Sampling: per-request parameters, the jitted sampler, logit controls."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, verify rows and acceptance, chains under overlap, trees."""
