@@ -39,10 +39,16 @@ CASES = [(p, c, k, True) for p in (1, 4) for c in (0, 8) for k in (13, 64)] + [
 
 @pytest.mark.parametrize("page_size,checkpoint_interval,chunk,overlap", CASES)
 def test_cache_on_equals_off(reference_outputs, page_size, checkpoint_interval, chunk, overlap):
+    _cache_on_equals_off(reference_outputs, page_size, checkpoint_interval, chunk, overlap)
+
+
+def _cache_on_equals_off(reference_outputs, page_size, checkpoint_interval, chunk, overlap,
+                         **extra):
+    """The workload on a cached engine (``extra``: more config keys) equals the reference."""
     engine = make_engine(**{"cache.page_size": page_size,
                             "cache.checkpoint_interval": checkpoint_interval,
                             "scheduler.chunked_prefill_size": chunk,
-                            "scheduler.overlap": overlap})
+                            "scheduler.overlap": overlap, **extra})
     outs = run_workload(engine)
     assert_same_outputs(outs, reference_outputs)
     m = engine.metrics()
@@ -51,6 +57,18 @@ def test_cache_on_equals_off(reference_outputs, page_size, checkpoint_interval, 
     assert outs[4].cached_tokens == outs[5].cached_tokens == (46 - 1) // page_size * page_size
     for out, prev in zip(outs[7:], outs[:4], strict=True):  # turn 2 reuses turn 1
         assert out.cached_tokens >= (len(prev.prompt_token_ids) - 1) // page_size * page_size
+    return engine
+
+
+@pytest.mark.parametrize("page_size,checkpoint_interval,chunk,overlap",
+                         [(4, 8, 13, True), (1, 0, 64, False)])
+def test_cache_on_equals_off_with_separate_sampler(reference_outputs, page_size,
+                                                   checkpoint_interval, chunk, overlap):
+    """``compile.separate_sampler`` on (``engine/runners/sampler_program.py``) against the fused
+    cache-off reference: the same tokens and logprobs."""
+    engine = _cache_on_equals_off(reference_outputs, page_size, checkpoint_interval, chunk,
+                                  overlap, **{"compile.separate_sampler": "on"})
+    assert engine.runner.separate_sampler
 
 
 def test_sampled_decoding_same_on_and_off():

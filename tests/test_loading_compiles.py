@@ -28,15 +28,17 @@ def _run(overrides: dict, **kwargs) -> tuple[dict, list, int]:
     return warm, got, engine.metrics()["programs_compiled"]
 
 
-def test_programs_compiled_while_loading_are_the_ones_the_engine_runs():
-    warm, got, after = _run({"compile.while_loading": "on"}, warmup_max_seq_len=BOUND)
+@pytest.mark.parametrize("split", ["off", "on"])  # compile.separate_sampler
+def test_programs_compiled_while_loading_are_the_ones_the_engine_runs(split):
+    key = {"compile.separate_sampler": split}
+    warm, got, after = _run({"compile.while_loading": "on"} | key, warmup_max_seq_len=BOUND)
     early = warm["while_loading"]
     assert early is not None and early["usable"], early
     assert early["programs"] == warm["programs"] >= 3
     # the warm-up itself compiled nothing: every compile it reports happened while loading
     assert warm["compiles"] == early["counted"][0], warm
     assert after == 0
-    plain, want, plain_after = _run({"compile.while_loading": "off"})
+    plain, want, plain_after = _run({"compile.while_loading": "off"} | key)
     assert plain["while_loading"] is None and plain_after == 0
     assert got == want
 

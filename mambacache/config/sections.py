@@ -241,12 +241,16 @@ class CompileConfig:
     ``while_loading``: those ahead-of-time compiles start before the weights load
     (``engine/runners/loading_compiles.py``): ``"auto"`` when the caller warms up next
     (``Engine(..., warmup_max_seq_len=N)``: the server, ``scripts/bench_warmup.py``), ``"on"``
-    always, ``"off"``."""
+    always, ``"off"``. ``separate_sampler``: a plain step (no speculative decoding, one decode
+    iteration) runs its sampler as its own program, compiled once per logits-row count instead
+    of inside every step program (``engine/runners/sampler_program.py``): ``"auto"`` on TPU
+    only, ``"on"``, ``"off"``."""
 
     cache_dir: str = "auto"
     ahead_of_time: bool = True
     threads: int = 0
     while_loading: str = "auto"
+    separate_sampler: str = "auto"
 
     def __post_init__(self):
         _require(isinstance(self.cache_dir, str),
@@ -259,6 +263,9 @@ class CompileConfig:
         _require(self.while_loading in ("auto", "on", "off"),
                  f"compile.while_loading must be 'auto', 'on' or 'off', got "
                  f"{self.while_loading!r}")
+        _require(self.separate_sampler in ("auto", "on", "off"),
+                 f"compile.separate_sampler must be 'auto', 'on' or 'off', got "
+                 f"{self.separate_sampler!r}")
 
 
 @dataclasses.dataclass(frozen=True)

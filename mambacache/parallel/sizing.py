@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mambacache.engine.runners.pools import PoolState
-from mambacache.engine.runners.step_program import jitted_sharded_step
+from mambacache.engine.runners.sampler_program import separate_sampler_on, step_callables
 from mambacache.engine.sampling.sampler import SamplingBatch
 from mambacache.engine.step.batch import build_forward_batch
 from mambacache.engine.step.buckets import StepShape, bucket
@@ -164,13 +164,34 @@ def step_args(shapes: StepShape, page_size: int, params: Any, pools: PoolState,
 
 
 def compile_step(model_cfg: ModelConfig, shapes: StepShape, *, params: Any, pools: PoolState,
-                 page_size: int, kernels: str, mesh: Mesh) -> StepMemory:
+                 page_size: int, kernels: str, mesh: Mesh,
+                 separate_sampler: bool = False) -> StepMemory:
     """Compile the engine's jitted step (``step_program.jitted_sharded_step``) for ``mesh``'s
-    devices at ``shapes`` and read its per-device memory and cost."""
+    devices at ``shapes`` and read its per-device memory and cost. ``separate_sampler``
+    (``engine/runners/sampler_program.py``): the step without its sampler and the sampler
+    program, both compiled; temporaries the larger one's, code and cost summed."""
     args = step_args(shapes, page_size, params, pools, mesh)
-    fn = jitted_sharded_step(model_cfg, kernels, shapes.decode,
-                             pool_shardings(pools, mesh), replicated(mesh), mesh)
+    fn = step_callables(model_cfg, kernels, separate=separate_sampler,
+                        pool_sh=pool_shardings(pools, mesh), out_sh=replicated(mesh),
+                        mesh=mesh)[shapes.decode]
     compiled = fn.lower(*args).compile()
+    if isinstance(compiled, tuple):  # [compile.separate_sampler] (step, sampler)
+        return _combined(*(_memory(c) for c in compiled))
+    return _memory(compiled)
+
+
+def _combined(step: StepMemory, sampler: StepMemory) -> StepMemory:
+    """One step run as two programs: the step's arguments and outputs, the larger of the two
+    temporaries (they run one after the other), code, FLOPs, bytes and seconds summed."""
+    return dataclasses.replace(
+        step, temp_bytes=max(step.temp_bytes, sampler.temp_bytes),
+        code_bytes=step.code_bytes + sampler.code_bytes, flops=step.flops + sampler.flops,
+        bytes_accessed=step.bytes_accessed + sampler.bytes_accessed,
+        optimal_seconds=step.optimal_seconds + max(sampler.optimal_seconds, 0.0))
+
+
+def _memory(compiled: Any) -> StepMemory:
+    """``compiled``'s ``StepMemory``."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -191,8 +212,11 @@ def step_memories(model_cfg: ModelConfig, cfg: EngineConfig, shapes: dict[str, S
     (``tests/test_plan.py``: under a tenth), inside the ``1 - memory_fraction`` headroom."""
     slots = cfg.scheduler.max_running_requests + 1
     pools = abstract_pools(model_cfg, 64, cfg.cache.page_size, slots, dtype)
+    platform = next(iter(mesh.devices.flat)).platform
+    split = separate_sampler_on(cfg.compile.separate_sampler, platform)
     return {name: compile_step(model_cfg, sh, params=params, pools=pools,
-                               page_size=cfg.cache.page_size, kernels=kernels, mesh=mesh)
+                               page_size=cfg.cache.page_size, kernels=kernels, mesh=mesh,
+                               separate_sampler=split)
             for name, sh in shapes.items()}
 
 

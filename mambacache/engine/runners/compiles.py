@@ -83,12 +83,15 @@ class CompileCounter:
         self.cache_hits = 0
         self.seconds = 0.0
         self.by_function: collections.Counter[str] = collections.Counter()
+        # trace + lowering + backend seconds by JAX's function name (compiles and hits)
+        self.seconds_by_function: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
     def record(self, event: str, duration_s: float, fun_name: str,
                cache_hit: bool = False) -> None:
         with self._lock:
             self.seconds += duration_s
+            self.seconds_by_function[fun_name] += duration_s
             if event == BACKEND_EVENT and cache_hit:
                 self.cache_hits += 1
             elif event == BACKEND_EVENT:

@@ -38,6 +38,7 @@ Job = tuple[StepShape, bool]  # (shape, logit_controls), as in ``engine/runners/
 def runner_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     """The ``ModelRunner`` keyword arguments of a (sized) engine config (the engine's and the
     loading compiles' runners are built from the same)."""
+    from mambacache.engine.runners.sampler_program import separate_sampler_on
     from mambacache.engine.runners.warmup import min_rows
     from mambacache.engine.speculative.verify import max_rows
 
@@ -46,7 +47,9 @@ def runner_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     return dict(kernels=cfg.model.kernels, page_size=cfg.cache.page_size,
                 max_seqs=max_rows(cfg), num_drafts=spec.num_draft_tokens if mtp else 0,
                 num_alts=spec.topk - 1 if mtp else 0,
-                spec_k=spec.num_draft_tokens if spec.enabled else 0, min_rows=min_rows(cfg))
+                spec_k=spec.num_draft_tokens if spec.enabled else 0, min_rows=min_rows(cfg),
+                separate_sampler=separate_sampler_on(cfg.compile.separate_sampler,
+                                                     jax.default_backend()))
 
 
 def create_pools(cfg: EngineConfig, model_cfg: Any, sharding: Any = None) -> Any:

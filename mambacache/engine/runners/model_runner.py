@@ -23,12 +23,8 @@ import numpy as np
 from mambacache.engine.runners.compiles import CompileCounter
 from mambacache.engine.runners.multi_step import MultiStepRows, jitted_multi_step
 from mambacache.engine.runners.pools import PoolState, pool_fields, resize_layerwise
-from mambacache.engine.runners.step_program import (
-    copy_pages_fn,
-    copy_slots_fn,
-    jitted_sharded_step,
-    jitted_step,
-)
+from mambacache.engine.runners.sampler_program import step_callables
+from mambacache.engine.runners.step_program import copy_pages_fn, copy_slots_fn
 from mambacache.engine.sampling.logit_controls import controls_for, pack_controls
 from mambacache.engine.sampling.sampler import SamplingBatch
 from mambacache.engine.speculative import chain as spec_chain
@@ -61,8 +57,8 @@ class ModelRunner:
 
     def __init__(self, model_cfg: Any, params: Any, pools: PoolState, *, kernels: str,
                  page_size: int, max_seqs: int, num_drafts: int = 0, spec_k: int = 0,
-                 num_alts: int = 0,
-                 buckets: Buckets | None = None, min_rows: int = 0):
+                 num_alts: int = 0, buckets: Buckets | None = None, min_rows: int = 0,
+                 separate_sampler: bool = False):
         self.model_cfg = model_cfg
         self.params = params
         self.pools = pools
@@ -90,8 +86,10 @@ class ModelRunner:
         self.num_drafts = num_drafts
         self.num_alts = num_alts  # [speculative tree] the head's alternatives to its first draft
         self.last_drafts: jax.Array | None = None  # int32 [num_seqs, num_drafts], last step's
-        self._fns = {d: jitted_step(model_cfg, kernels, d, num_drafts, spec_k, num_alts)
-                     for d in (False, True)}
+        # [compile.separate_sampler] plain steps as two programs (engine/runners/sampler_program)
+        self.separate_sampler = separate_sampler
+        self._fns = step_callables(model_cfg, kernels, num_drafts=num_drafts, spec_k=spec_k,
+                                   num_alts=num_alts, separate=separate_sampler)
         # [multi-step decode] K-iteration decode programs (not under tensor parallelism, nor
         # with speculative decoding's carry: the engine runs K = 1 there)
         self.multi_step_ok = not spec_k
@@ -122,10 +120,10 @@ class ModelRunner:
         """Compile the step for ``mesh``, pools placed with ``pool_sh`` (params: as placed)."""
         from mambacache.parallel.mesh import replicated
 
-        self._fns = {d: jitted_sharded_step(self.model_cfg, self.kernels, d, pool_sh,
-                                            replicated(mesh), mesh, self.num_drafts,
-                                            self.spec_k, self.num_alts)
-                     for d in (False, True)}
+        self._fns = step_callables(self.model_cfg, self.kernels, num_drafts=self.num_drafts,
+                                   spec_k=self.spec_k, num_alts=self.num_alts,
+                                   separate=self.separate_sampler, pool_sh=pool_sh,
+                                   out_sh=replicated(mesh), mesh=mesh)
         self.future = jax.device_put(self.future, replicated(mesh))
         self.multi_step_ok = False
 

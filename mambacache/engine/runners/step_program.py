@@ -106,6 +106,31 @@ def _jitted_sharded_step(cfg: Any, kernels: str, decode: bool, pool_sh: Any, out
                    donate_argnums=(1, 2), out_shardings=outs)
 
 
+def _step_logits(params: Any, pools: PoolState, future: jax.Array, batch: ForwardBatch,
+                 prev_index: jax.Array, *, cfg: Any, kernels: str, decode: bool,
+                 mesh: Any = None) -> tuple[PoolState, jax.Array]:
+    """[compile.separate_sampler] ``_step`` without its sampler (no speculative decoding): the
+    pools and the logits float32 ``[L, V]``; ``future`` int32 ``[F]`` is read (not donated) for
+    the overlap's previous tokens. ``engine/runners/sampler_program.py`` samples them."""
+    ids = jnp.where(prev_index >= 0, future[jnp.maximum(prev_index, 0)], batch.input_ids)
+    batch = dataclasses.replace(batch, input_ids=ids)
+    pools, logits = model_forward(params, pools, batch, cfg=cfg, kernels=kernels,
+                                  decode=decode, mesh=mesh)[:2]
+    return pools, logits
+
+
+@functools.cache
+def jitted_step_logits(cfg: Any, kernels: str, decode: bool, family: str, pool_sh: Any = None,
+                       out_sh: Any = None, mesh: Any = None):
+    """``_step_logits`` jitted (pools donated), cached like ``_jitted_step``; with ``mesh`` the
+    pools keep ``pool_sh`` and the logits come back with ``out_sh`` (``_jitted_sharded_step``)."""
+    del family  # a cache key only, as in ``_jitted_step``
+    fn = functools.partial(_step_logits, cfg=cfg, kernels=kernels, decode=decode, mesh=mesh)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=(1,))
+    return jax.jit(fn, donate_argnums=(1,), out_shardings=(pool_sh, out_sh))
+
+
 def _copy_slots(pools: PoolState, src: jax.Array, dst: jax.Array) -> PoolState:
     """Padding pairs are (0, 0): the zero state onto itself."""
     return pools.replace(conv=tuple(a.at[dst].set(a[src]) for a in pools.conv),

@@ -33,6 +33,8 @@ from absl import logging
 
 from mambacache.engine.step.buckets import DETERMINISTIC_MIN_ROWS, Buckets, StepShape
 
+#: the sampler program's name in JAX's compile events (``engine/runners/sampler_program.py``)
+SAMPLER_FUNCTION = "jit(_sample_into)"
 #: a warmed set larger than this is logged as too large (bound it with ``max_seq_len``)
 LARGE_PROGRAM_SET = 64
 
@@ -71,7 +73,8 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
     ``programs`` (shapes run), ``compiles`` (XLA compiles JAX reported: 0 when already warm),
     ``cache_hits`` (programs loaded from the persistent compile cache instead),
     ``compile_s``, ``seconds`` (wall), ``decode_programs``, ``extend_programs``,
-    ``max_seq_len``, ``controls_programs``, ``ahead_of_time``, ``threads`` and
+    ``max_seq_len``, ``controls_programs``, ``ahead_of_time``, ``threads``, the sampler programs
+    (``sampler_programs``, ``sampler_compiles``, ``sampler_compile_s``: ``_sampler_report``) and
     ``program_list`` (each program's shape and the seconds its compile took, longest first).
     ``logit_controls``: also the penalty / grammar variant of every single-step shape
     (``engine/sampling/logit_controls.py``). ``progress``: called with a line at each stage."""
@@ -84,7 +87,8 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
     out: dict[str, Any] = {"programs": 0, "compiles": 0, "cache_hits": 0, "compile_s": 0.0,
                            "seconds": 0.0, "decode_programs": 0, "extend_programs": 0,
                            "max_seq_len": max_seq_len, "controls_programs": 0,
-                           "program_list": []}
+                           "program_list": [], "sampler_programs": 0, "sampler_compiles": 0,
+                           "sampler_compile_s": 0.0}
     if not hasattr(runner, "warm"):  # the shadow runner compiles nothing
         return out
     buckets = engine_buckets(engine.cfg, engine.model_cfg, runner.max_seqs, max_seq_len)
@@ -97,6 +101,7 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
     runner.use_buckets(buckets)
     counter = runner.warm_compiles
     before = counter.compiles, counter.cache_hits, counter.seconds
+    sampler_before = _sampler_counts(counter)
     t0 = time.perf_counter()
     controlled = [s for s in shapes if s.iterations == 1] if logit_controls else []
     jobs = [(s, False) for s in shapes] + [(s, True) for s in controlled]
@@ -132,8 +137,11 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
                threads=threads if ahead else 1, while_loading=while_loading,
                program_list=[{**dataclasses.asdict(s), "logit_controls": c, "seconds": t}
                              for t, (s, c) in listed])
+    out.update(_sampler_report(runner, jobs, sampler_before, while_loading))
     _report(progress, f"warm-up: {len(jobs)} programs ({out['compiles']} compiled, "
-                      f"{out['cache_hits']} from the compile cache) in {out['seconds']:.1f} s")
+                      f"{out['cache_hits']} from the compile cache) in {out['seconds']:.1f} s"
+                      + (f"; {out['sampler_programs']} sampler programs "
+                         f"({out['sampler_compile_s']:.1f} s)" if out["sampler_programs"] else ""))
     return out
 
 
@@ -149,9 +157,33 @@ def _join_loading(engine: Any, progress: Callable[[str], None] | None
     done, report = early.join(engine.runner, engine.model_cfg)
     counter = early.runner.warm_compiles
     report["counted"] = (counter.compiles, counter.cache_hits, counter.seconds)
+    report["sampler_counted"] = _sampler_counts(counter)
     _report(progress, f"{len(done)} programs compiled while the weights loaded "
                       f"({report['seconds']:.1f} s from the start)")
     return done, report
+
+
+def _sampler_counts(counter: Any) -> tuple[int, float]:
+    """(sampler programs compiled, their seconds) in ``counter`` so far."""
+    return (counter.by_function[SAMPLER_FUNCTION],
+            counter.seconds_by_function[SAMPLER_FUNCTION])
+
+
+def _sampler_report(runner: Any, jobs: list[tuple[StepShape, bool]], before: tuple[int, float],
+                    while_loading: dict[str, Any] | None) -> dict[str, Any]:
+    """[compile.separate_sampler] ``sampler_programs``: the sampler programs the set needs (one
+    per logits-row count and controls variant of its single-step shapes; 0 when fused),
+    ``sampler_compiles`` / ``sampler_compile_s``: what compiling them took here and while the
+    weights loaded (``engine/runners/sampler_program.py``)."""
+    if not getattr(runner, "separate_sampler", False):
+        return {"sampler_programs": 0, "sampler_compiles": 0, "sampler_compile_s": 0.0}
+    rows = {(s.num_logits, c) for s, c in jobs if s.iterations == 1}
+    compiles, seconds = _sampler_counts(runner.warm_compiles)
+    compiles, seconds = compiles - before[0], seconds - before[1]
+    more = (while_loading or {}).get("sampler_counted", (0, 0.0))
+    compiles, seconds = compiles + more[0], seconds + more[1]
+    return {"sampler_programs": len(rows), "sampler_compiles": compiles,
+            "sampler_compile_s": seconds}
 
 
 def compile_threads(threads: int, jobs: int) -> int:
