@@ -11,6 +11,7 @@ import pytest
 import mambacache as mc
 from mambacache.engine.runners.sampler_program import SplitStep, separate_sampler_on
 from tests.engine_helpers import assert_same_outputs, make_engine, rand_tokens
+from tests.multidevice import TP_WORKLOAD, run_worker
 
 ON = {"compile.separate_sampler": "on"}
 
@@ -93,3 +94,45 @@ def test_sizing_compiles_the_step_and_its_sampler():
             for split in (False, True)]
     assert mems[1].flops == pytest.approx(mems[0].flops, rel=0.1), mems
     assert mems[1].temp_bytes > 0, mems
+
+
+_TP_WORKER = """
+import json
+import jax, numpy as np
+import mambacache as mc
+from mambacache.engine.engine import Engine
+from mambacache.engine.runners.sampler_program import SplitStep
+from models.params import init_params
+from models.presets import get_preset
+""" + TP_WORKLOAD + """
+model_cfg = get_preset("tiny_qwen3_next_tp4")
+params = init_params(model_cfg, seed=3)
+sampled = [sp, mc.SamplingParams(max_new_tokens=5, temperature=0.9, top_p=0.8, seed=4)]
+result = {}
+for split in ("off", "on"):
+    cfg = mc.EngineConfig().replace(**{**base, "parallel.tensor_parallel": 2,
+                                       "compile.separate_sampler": split})
+    engine = Engine(cfg, model=(model_cfg, params))
+    warm = engine.warmup(64)
+    outs = engine.generate(prompts, sampled) + engine.generate(prompts[:1], sp)
+    result[split] = dict(tokens=[o.output_token_ids for o in outs],
+                         logprobs=[o.output_logprobs for o in outs],
+                         split=isinstance(engine.runner.step_programs[True], SplitStep),
+                         sampler_programs=warm["sampler_programs"],
+                         after=engine.metrics()["programs_compiled"])
+print(json.dumps(result))
+"""
+
+
+def test_tensor_parallel_2_split_equals_fused_and_compiles_nothing_after_warmup():
+    """Under TP 2 (a CPU mesh) the split step's sampler program (replicated out shardings)
+    samples the fused step's tokens (logprobs within 1e-6); after the warm-up nothing
+    compiles."""
+    got = run_worker(_TP_WORKER)
+    assert got["on"]["split"] and not got["off"]["split"], got
+    assert got["on"]["tokens"] == got["off"]["tokens"]
+    # the fused program's log-softmax may sum the vocabulary in shards (its logits' sharding is
+    # XLA's choice there, replicated here): equal to float32 rounding, not bit for bit
+    np.testing.assert_allclose(np.concatenate(got["on"]["logprobs"]),
+                               np.concatenate(got["off"]["logprobs"]), atol=1e-6, rtol=0)
+    assert got["on"]["sampler_programs"] > 0 and got["on"]["after"] == 0, got["on"]
