@@ -18,7 +18,9 @@ and distinct bodies; JAX emits one function per distinct jitted callee, called p
 the compiled module's instruction count and Mosaic calls (one per call site once XLA
 inlines the functions) and ``cost_analysis`` flops / bytes accessed.
 ``--kernels reference`` compiles the plain-jnp references instead of the Pallas kernels (what
-``auto`` means on CPU).
+``auto`` means on CPU). ``--part logits`` / ``--part sampler_program``: the two programs a step
+is with ``compile.separate_sampler`` (``engine/runners/sampler_program.py``); ``--rows N``: the
+program's logits rows (the sampler program's row count: 4, 8 or 16 in a usual set).
 """
 
 from __future__ import annotations
@@ -86,16 +88,22 @@ def pick(shapes: list, program: str, tokens: int) -> Any:
 def _part(part: str, step: Any, args: tuple, model_cfg: Any, kernels: str, shape: Any,
           mesh: Any) -> tuple[Any, tuple]:
     """The jitted function and its abstract arguments of ``part``: the engine's step, the model
-    forward alone (params, pools donated, batch) or the sampler alone (logits ``[L, V]``
-    float32 replicated, the step's sampling rows)."""
+    forward alone (params, pools donated, batch), the sampler alone (logits ``[L, V]``
+    float32 replicated, the step's sampling rows), or the two programs of
+    ``compile.separate_sampler`` (``engine/runners/sampler_program.py``): ``logits``, the step
+    without its sampler (``step_program.jitted_step_logits``), and ``sampler_program``, the
+    sampler program (logits, sampling rows, the carry donated; replicated outputs)."""
     import functools
 
     import jax
     import jax.numpy as jnp
 
+    from mambacache.engine.runners.sampler_program import jitted_sampler
+    from mambacache.engine.runners.step_program import jitted_step_logits
     from mambacache.engine.sampling.sampler import sample
-    from mambacache.parallel.mesh import replicated
+    from mambacache.parallel.mesh import pool_shardings, replicated
     from models.model import forward
+    from pallas_kernels import ops
 
     if part == "step":
         return step, args
@@ -103,8 +111,14 @@ def _part(part: str, step: Any, args: tuple, model_cfg: Any, kernels: str, shape
         fn = jax.jit(functools.partial(forward, cfg=model_cfg, kernels=kernels,
                                        decode=shape.decode, mesh=mesh), donate_argnums=(1,))
         return fn, (args[0], args[1], args[3])
+    if part == "logits":
+        fn = jitted_step_logits(model_cfg, kernels, shape.decode, ops.kernel_family(),
+                                pool_shardings(args[1], mesh), replicated(mesh), mesh)
+        return fn, args[:4] + args[5:]
     logits = jax.ShapeDtypeStruct((shape.num_logits, model_cfg.vocab_size), jnp.float32,
                                   sharding=replicated(mesh))
+    if part == "sampler_program":
+        return jitted_sampler(False, replicated(mesh)), (logits, args[4], args[2])
     return jax.jit(sample), (logits, args[4])
 
 
@@ -116,8 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="extend program's tokens")
     ap.add_argument("--layers", type=int, default=0, help="the first N layers (0: all)")
     ap.add_argument("--kernels", choices=("pallas", "reference"), default="pallas")
-    ap.add_argument("--part", choices=("step", "forward", "sampler"), default="step",
-                    help="the whole step, the model forward alone, or the sampler alone")
+    ap.add_argument("--part", choices=("step", "forward", "sampler", "logits",
+                                       "sampler_program"), default="step",
+                    help="the whole step, the model forward alone, the sampler alone, or the "
+                         "two programs of compile.separate_sampler: the step without its "
+                         "sampler (logits) and the sampler program")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="the program's logits rows (0: its own; the sampler parts' row count)")
     ap.add_argument("--list", action="store_true", help="print the program set and stop")
     ap.add_argument("--dump", default="", help="write the lowered module's text here")
     opts = ap.parse_args(argv)
@@ -152,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     model_cfg = truncated(full_cfg, opts.layers)
     shape = pick(list(shapes), opts.program, opts.tokens)
+    if opts.rows:
+        shape = dataclasses.replace(shape, num_logits=opts.rows)
     mesh = make_mesh(tp) if local else _mesh_for(parse_topology(opts.topology), tp)
     dtype, page_size = model_dtype(cfg), cfg.cache.page_size
     params = sizing.abstract_params(model_cfg, dtype)
