@@ -44,14 +44,18 @@ def test_split_step_samples_what_the_fused_step_samples(overlap):
 def test_after_warmup_nothing_compiles_and_the_report_lists_the_samplers():
     engine = make_engine(**ON, **{"scheduler.max_running_requests": 5,
                                   "scheduler.chunked_prefill_size": 40})
-    warm = engine.warmup(48)
+    warm = engine.warmup(48, logit_controls=True)
     rows = {(s["num_logits"], s["logit_controls"]) for s in warm["program_list"]}
     assert warm["sampler_programs"] == len(rows) < warm["programs"], warm
+    assert any(c for _, c in rows), rows  # the penalty variants: sampler programs of their own
     # at most one compile per row count (fewer: another test's engine compiled some already)
     assert warm["sampler_compiles"] <= warm["sampler_programs"], warm
     assert warm["sampler_compile_s"] >= 0.0
     prompts, params = _prompts_and_params()
+    params[1] = mc.SamplingParams(max_new_tokens=5, temperature=0.8, seed=1,
+                                  presence_penalty=0.5, repetition_penalty=1.3)
     engine.generate(prompts, params)
+    engine.generate(prompts[:1], params[:1])
     assert engine.metrics()["programs_compiled"] == 0, engine.runner.compiles.by_function
 
 
