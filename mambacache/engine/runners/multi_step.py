@@ -15,7 +15,7 @@ and logprobs at once, paying its fixed step cost once per K tokens. Iteration j 
 
 A row runs ``limit[b]`` iterations (the host's: ``max_new_tokens``, pages, one boundary) and
 stops after sampling one of its ``stop_ids`` (its stop tokens and EOS: the host's
-``StepLoop.finish_reason`` rule). From then on it is frozen: its K/V go to the dump page 0 and
+``StepReader.finish_reason`` rule). From then on it is frozen: its K/V go to the dump page 0 and
 its state to the zero slot 0 (``engine/runners/pools.py``), so its running slot holds exactly the
 state after its last real token, which the finish inserts into the tree. ``future[b]`` gets the
 row's last sampled token, as ``-1 - token`` if the row stopped: a row of the next dispatch that

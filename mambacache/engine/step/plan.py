@@ -131,7 +131,7 @@ MAX_DEVICE_STOPS = 8
 
 
 def device_stop_ids(params: SamplingParams, eos_token_id: int | None) -> tuple[int, ...]:
-    """[multi-step decode] The tokens that stop a row on the device (``StepLoop.finish_reason``'s
+    """[multi-step decode] The tokens that stop a row on the device (``StepReader.finish_reason``'s
     stop rule): its stop token ids and the EOS unless ``ignore_eos``."""
     stops = tuple(params.stop_token_ids)
     if not params.ignore_eos and eos_token_id is not None:
