@@ -3,8 +3,8 @@
 Only the engine thread touches the ``Engine``: requests, aborts and any other call (metrics, the
 integrity check) are commands queued to it and run between two steps, in the order sent. After
 each step the thread hands every live request's new token ids and logprobs to that request's
-``RequestStream`` (an ``asyncio.Queue`` on the server's event loop), and the final
-``RequestOutput`` when it finished.
+``RequestStream`` (an ``asyncio.Queue`` on the server's event loop: ``streams.py``), and the
+final ``RequestOutput`` when it finished.
 
 Invariants: a request is live from its ``add_request`` until the step that finished it or its
 abort, and ``in_flight`` counts the live ones plus those being added, less those whose abort was
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from mambacache.engine.request import RequestOutput
 from mambacache.engine.sampling.params import SamplingParams
+from mambacache.serve.streams import Delta, Overloaded, RequestStream
 
 if TYPE_CHECKING:
     from mambacache.engine.engine import Engine
@@ -41,39 +41,6 @@ log = logging.getLogger(__name__)
 WARMUP_PROMPT = list(range(1, 17))
 METRICS_WAIT_S = 0.5
 SNAPSHOT_EVERY_S = 0.5
-
-
-class Overloaded(Exception):
-    """More requests than ``max_running_requests + max_waiting`` are in the server."""
-
-
-@dataclasses.dataclass
-class Delta:
-    """New tokens of one request; ``output`` is set on the last one (finished, failed)."""
-
-    ids: list[int]
-    logprobs: list[float]
-    cached_tokens: int = 0  # prompt tokens the request got from the cache (once admitted)
-    output: RequestOutput | None = None
-
-
-class RequestStream:
-    """One request seen from the event loop: ``await next()`` yields its ``Delta``s."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.request_id: int | None = None
-        self.submitted_s = time.perf_counter()
-        self.sent = 0  # engine thread only: output ids handed over so far
-        self.released = False  # its capacity given back (under EngineLoop._lock)
-        self.last_token_s: float | None = None  # engine thread only
-
-    def put(self, delta: Delta) -> None:  # from the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
-
-    async def next(self) -> Delta:
-        return await self.queue.get()
 
 
 class EngineLoop:
