@@ -292,7 +292,3 @@ def future_index(seqs: Sequence[SeqSpec], num_tokens: int) -> np.ndarray:
     has = prev >= 0
     out[ends[has]] = prev[has]
     return out
-
-
-def to_numpy(x: jax.Array) -> np.ndarray:
-    return np.asarray(jax.device_get(x))
