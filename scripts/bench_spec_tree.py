@@ -1,12 +1,12 @@
-"""Draft trees (``speculative.verify.topk``) vs chains at equal verify width: tokens per verify row.
+"""Draft trees (``speculative.topk``) vs chains at equal verify width: tokens per verify row.
 
     python scripts/bench_spec_tree.py --config configs/bench/spec_tree.toml \\
         --variants 15x1,3x4,7x2 [--set section.key=value ...] [--out result.json]
 
-A variant ``KxT`` is ``speculative.verify.num_draft_tokens = K`` (each branch's depth) and
-``speculative.verify.topk = T``: ``T * (K + 1)`` tokens verified per request per step (its verify
+A variant ``KxT`` is ``speculative.num_draft_tokens = K`` (each branch's depth) and
+``speculative.topk = T``: ``T * (K + 1)`` tokens verified per request per step (its verify
 width; a chain is ``T = 1``). Each variant runs the config's workload once, side by side with
-``speculative.verify.method = "none"``, and reports ``spec_tokens_per_verify`` (tokens emitted per
+``speculative.method = "none"``, and reports ``spec_tokens_per_verify`` (tokens emitted per
 request per verify: one per request and step, a tree's rows together), ``spec_verify_width``
 (tokens verified per request per verify), ``spec_accept_rate``, ``spec_verify_rows`` (rows: one
 per branch), steps, and whether every output equals the run without speculation

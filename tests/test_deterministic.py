@@ -1,7 +1,7 @@
 """``model.deterministic`` (issue 28): in bf16, a request's tokens and logprobs are identical
 (``==``) whether it runs alone, cache off, chunked prefill 256, or among other requests with the
 cache on (shared prefixes, an identical prompt), chunked prefill 13, page size 4; with
-``speculative.verify.method`` ``"none"``, ``"ngram"`` (chains and trees) and ``"mtp"``, seeded top-k
+``speculative.method`` ``"none"``, ``"ngram"`` (chains and trees) and ``"mtp"``, seeded top-k
 / top-p sampling, preemption, and both runs at tensor parallel 2.
 
 The default family without drafts and the sampler's unit checks run in CI; the family sweeps
@@ -80,7 +80,7 @@ def test_alone_equals_batched_chunked_cached(preset, method):
 @SLOW
 @pytest.mark.parametrize("preset", PRESETS)
 def test_draft_tree_alone_equals_batched(preset):
-    """ngram drafts as a tree (``speculative.verify.topk`` 2: one verify row per branch; page size 1
+    """ngram drafts as a tree (``speculative.topk`` 2: one verify row per branch; page size 1
     in both runs, which trees need)."""
     metrics = check_alone_equals_batched(
         preset, mc.SamplingParams(max_new_tokens=24),

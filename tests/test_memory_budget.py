@@ -350,7 +350,7 @@ def test_device_split_follows_the_state_size_and_keeps_running_slots():
 
 
 def _bench_presets() -> list[str]:
-    """The presets ``python -m mambacache.bench`` runs (``speculative.tree.toml``'s workload is
+    """The presets ``python -m mambacache.bench`` runs (``spec_tree.toml``'s workload is
     ``scripts/bench_spec_tree.py``'s own, not a bench CLI workload)."""
     from mambacache.bench.workloads import WORKLOADS
     from mambacache.config import read_toml

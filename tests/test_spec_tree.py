@@ -1,4 +1,4 @@
-"""Draft trees (``speculative.verify.topk`` > 1, ``engine/speculative/tree.py``): config limits, the
+"""Draft trees (``speculative.topk`` > 1, ``engine/speculative/tree.py``): config limits, the
 drafters' branches, the shadow runner's data-flow oracle over every branch row (outputs of
 ``method = "none"``, cache on and off, chunk cuts, preemption, failing steps, a planted bug:
 the winner's pages not adopted), and the real tiny model (tokens of ``none`` exactly, logprobs

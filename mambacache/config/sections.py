@@ -22,7 +22,7 @@ DTYPES = ("float32", "bfloat16")
 KERNELS = ("auto", "pallas", "reference")
 SPEC_METHODS = ("none", "ngram", "mtp")
 MAX_DRAFT_TOKENS = 16
-#: most branches of a speculative draft tree (``speculative.verify.topk``)
+#: most branches of a speculative draft tree (``speculative.topk``)
 MAX_DRAFT_BRANCHES = 8
 #: the most decode iterations one dispatch runs (``scheduler.decode_steps``)
 MAX_DECODE_STEPS = 64

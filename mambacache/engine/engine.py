@@ -130,7 +130,7 @@ class Engine:
         self.stats = EngineMetrics()
         # the step loop: overlapped (depth 1) unless off; with speculative decoding only on a
         # runner that shifts chained rows on the device (``spec_k``; not the shadow runner)
-        # and with chains only (draft trees, ``speculative.verify.topk`` > 1, run synchronously)
+        # and with chains only (draft trees, ``speculative.topk`` > 1, run synchronously)
         spec = cfg.speculative
         chains = getattr(self.runner, "spec_k", 0) > 0 and spec.topk == 1
         self.overlap = cfg.scheduler.overlap and (chains or not spec.enabled)

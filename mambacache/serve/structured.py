@@ -191,7 +191,7 @@ def for_openai(server: Any, req: Any, chat: bool) -> Grammar | None:
 
 
 def for_sglang(server: Any, sp: Any) -> Grammar | None:
-    """``/generate``'s ``sampling.params.json_schema`` (a string, as SGLang takes it) or
+    """``/generate``'s ``sampling_params.json_schema`` (a string, as SGLang takes it) or
     ``regex``."""
     if sp.json_schema is not None:
         try:
