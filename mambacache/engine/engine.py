@@ -12,7 +12,6 @@ or interleaved. The server drives the engine from its one ``EngineLoop`` thread.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from mambacache.engine.leases.cache_manager import CacheManager
 from mambacache.engine.metrics import EngineMetrics
 from mambacache.engine.request import FINISHED, RUNNING, WAITING, Request, RequestOutput
 from mambacache.engine.runner_protocol import InFlight, Runner
-from mambacache.engine.runners.loading import load_model, model_dtype
+from mambacache.engine.runners.loading import load_model, model_dtype, served_model_config
 from mambacache.engine.sampling.params import SamplingParams
 from mambacache.engine.scheduler import Scheduler
 from mambacache.engine.speculative.verify import spec_metrics
@@ -99,10 +98,7 @@ class Engine:
                 if self.loading_compiles is not None:
                     self.loading_compiles.cancel()
                 raise
-            if cfg.model.deterministic != self.model_cfg.deterministic:  # [deterministic]
-                self.model_cfg = dataclasses.replace(self.model_cfg,
-                                                     deterministic=cfg.model.deterministic)
-            self.model_cfg = cfg.model.capped(self.model_cfg)  # model.context_length
+            self.model_cfg = served_model_config(cfg, self.model_cfg)
             self.runner = self._model_runner(params)
             cfg = self.cfg  # [issue 25] pools sized from the byte budget in _model_runner
         if cfg.cache.host_memory_bytes and cfg.cache.enable:  # [host tier] its byte units

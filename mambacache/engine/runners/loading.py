@@ -1,6 +1,6 @@
 """The model an engine serves: ``load_model`` (a Hugging Face or Orbax directory, or a seeded
-preset) and ``model_dtype``. Imports JAX and the model lazily, so the host-only engine pieces
-(the simulator's) never load them."""
+preset), ``served_model_config`` (the config's overrides applied) and ``model_dtype``. Imports JAX
+and the model lazily, so the host-only engine pieces (the simulator's) never load them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ def model_dtype(cfg: EngineConfig) -> Any:
     import jax.numpy as jnp
 
     return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
+def served_model_config(cfg: EngineConfig, model_cfg: ModelConfig) -> ModelConfig:
+    """The model config an engine serves: ``model_cfg`` (loaded, or read without a weight) with
+    the config's ``model.deterministic`` and ``model.context_length`` cap applied. The engine
+    and the programs compiled while its weights load (``loading_compiles.py``) derive it here,
+    so the two agree."""
+    import dataclasses
+
+    if cfg.model.deterministic != model_cfg.deterministic:  # [deterministic]
+        model_cfg = dataclasses.replace(model_cfg, deterministic=cfg.model.deterministic)
+    return cfg.model.capped(model_cfg)  # model.context_length
 
 
 def load_model(cfg: EngineConfig) -> tuple[Any, Any]:

@@ -73,14 +73,10 @@ def wanted(cfg: EngineConfig, warmup_expected: bool) -> bool:
 
 def _expected_model_config(cfg: EngineConfig) -> Any:
     """The model config ``Engine`` will hold, read without a weight (``parallel/plan.py``)."""
-    import dataclasses
-
+    from mambacache.engine.runners.loading import served_model_config
     from mambacache.parallel.plan import load_model_config
 
-    model_cfg = load_model_config(cfg)
-    if cfg.model.deterministic != model_cfg.deterministic:
-        model_cfg = dataclasses.replace(model_cfg, deterministic=cfg.model.deterministic)
-    return cfg.model.capped(model_cfg)
+    return served_model_config(cfg, load_model_config(cfg))
 
 
 class LoadingCompiles:
@@ -118,7 +114,7 @@ class LoadingCompiles:
         if cfg.scheduler.decode_steps > 1 and not runner.multi_step_ok:
             cfg = cfg.replace(**{"scheduler.decode_steps": 1})  # as ``Engine`` does
         shapes = engine_buckets(cfg, model_cfg, runner.max_seqs, max_seq_len).program_set()
-        shapes.sort(key=lambda s: -s.num_tokens * s.iterations * s.num_pages_per_seq)
+        shapes.sort(key=lambda s: -s.compile_weight)
         n = compile_threads(cfg.compile.threads if threads is None else threads, len(shapes))
         pool = concurrent.futures.ThreadPoolExecutor(n, "mambacache-loading-compile")
         futures = {pool.submit(runner.compile_ahead, s, False): (s, False) for s in shapes}
@@ -142,7 +138,7 @@ class LoadingCompiles:
                 done[(shape, controls)] = fut.result()
             except Exception as exc:  # surfaces here, at warm-up, never lost in the pool
                 self.cancel()
-                raise RuntimeError(f"compiling the step program {describe(shape)} while the "
+                raise RuntimeError(f"compiling the step program {shape.describe()} while the "
                                    f"weights loaded failed: {exc}") from exc
         counter = self.runner.warm_compiles
         report = {"programs": len(done), "compiles": counter.compiles,
@@ -165,11 +161,3 @@ class LoadingCompiles:
 
         return (model_cfg == self.model_cfg and runner.step_programs == self.runner.step_programs
                 and state(runner) == state(self.runner))
-
-
-def describe(shape: StepShape) -> str:
-    """``decode 4 rows x 8 pages`` / ``extend 256 tokens x 64 pages`` (logs and errors)."""
-    if shape.decode:
-        return (f"decode {shape.num_seqs} rows x {shape.num_pages_per_seq} pages"
-                + (f" x {shape.iterations} iterations" if shape.iterations > 1 else ""))
-    return f"extend {shape.num_tokens} tokens x {shape.num_pages_per_seq} pages"

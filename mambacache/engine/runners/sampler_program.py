@@ -29,6 +29,7 @@ from mambacache.engine.runners.step_program import (
     jitted_sharded_step,
     jitted_step,
     jitted_step_logits,
+    write_future,
 )
 from mambacache.engine.sampling.sampler import SamplingBatch, sample
 from pallas_kernels import ops
@@ -49,8 +50,7 @@ def _sample_into(logits: jax.Array, sb: SamplingBatch, future: jax.Array, *,
     """logits float32 ``[L, V]``, ``future`` int32 ``[F]`` (donated) -> (``future`` with rows
     ``[:min(L, F)]`` the tokens, tokens int32 ``[L]``, logprobs float32 ``[L]``), as ``_step``."""
     tokens, logprobs = sample(logits, sb, fixed_order=fixed_order)
-    n = min(tokens.shape[0], future.shape[0])
-    return future.at[:n].set(tokens[:n]), tokens, logprobs
+    return write_future(future, tokens), tokens, logprobs
 
 
 @functools.cache

@@ -23,6 +23,21 @@ from models.mtp import mtp_draft
 from pallas_kernels import ops
 
 
+def with_known_tokens(batch: ForwardBatch, tokens: jax.Array,
+                      prev_index: jax.Array) -> ForwardBatch:
+    """[overlap] ``batch`` with each ``prev_index`` >= 0 position's input id read from the
+    previous step's sampled ``tokens`` int32 ``[F]`` (row ``prev_index``); -1 keeps the id."""
+    ids = jnp.where(prev_index >= 0, tokens[jnp.maximum(prev_index, 0)], batch.input_ids)
+    return dataclasses.replace(batch, input_ids=ids)
+
+
+def write_future(future: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``future`` int32 ``[F]`` with its first ``min(L, F)`` rows the sampled ``tokens``
+    int32 ``[L]`` (logits row i at i), what the next step's ``with_known_tokens`` reads."""
+    n = min(tokens.shape[0], future.shape[0])
+    return future.at[:n].set(tokens[:n])
+
+
 def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
           sb: SamplingBatch, prev_index: jax.Array, spec_in: Any = None, *, cfg: Any,
           kernels: str, decode: bool, mesh: Any = None, num_drafts: int = 0, spec_k: int = 0,
@@ -40,9 +55,7 @@ def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
         batch, sb, draft_ids = chain_step.apply(batch, sb, future, spec_in,
                                                 page_size=pools.k_pages[0].shape[1],
                                                 mtp=num_drafts > 0)
-    buf = future["tokens"] if spec_k else future
-    ids = jnp.where(prev_index >= 0, buf[jnp.maximum(prev_index, 0)], batch.input_ids)
-    batch = dataclasses.replace(batch, input_ids=ids)
+    batch = with_known_tokens(batch, future["tokens"] if spec_k else future, prev_index)
     out = model_forward(params, pools, batch, cfg=cfg, kernels=kernels, decode=decode,
                         mesh=mesh, return_hidden=num_drafts > 0)
     pools, logits = out[:2]
@@ -59,8 +72,7 @@ def _step(params: Any, pools: PoolState, future: Any, batch: ForwardBatch,
     if spec_k:
         future = chain_step.outcome(future, tokens, spec_in, draft_ids, drafts)
     else:
-        n = min(tokens.shape[0], future.shape[0])
-        future = future.at[:n].set(tokens[:n])
+        future = write_future(future, tokens)
     if not num_drafts:
         return pools, future, tokens, logprobs
     return pools, future, tokens, logprobs, drafts
@@ -112,8 +124,7 @@ def _step_logits(params: Any, pools: PoolState, future: jax.Array, batch: Forwar
     """[compile.separate_sampler] ``_step`` without its sampler (no speculative decoding): the
     pools and the logits float32 ``[L, V]``; ``future`` int32 ``[F]`` is read (not donated) for
     the overlap's previous tokens. ``engine/runners/sampler_program.py`` samples them."""
-    ids = jnp.where(prev_index >= 0, future[jnp.maximum(prev_index, 0)], batch.input_ids)
-    batch = dataclasses.replace(batch, input_ids=ids)
+    batch = with_known_tokens(batch, future, prev_index)
     pools, logits = model_forward(params, pools, batch, cfg=cfg, kernels=kernels,
                                   decode=decode, mesh=mesh)[:2]
     return pools, logits

@@ -110,8 +110,10 @@ def warmup(engine: Any, max_seq_len: int | None = None, logit_controls: bool = F
     ahead = bool(aot and aot.ahead_of_time and hasattr(runner, "compile_ahead"))
     loaded, while_loading = _join_loading(engine, progress)  # [compile.while_loading]
     todo = [j for j in jobs if j not in loaded]
-    times = compile_ahead(runner, todo, threads, progress) if ahead else [0.0] * len(todo)
-    times = [loaded[j] if j in loaded else times[todo.index(j)] for j in jobs]
+    if ahead:  # the programs not compiled while loading, by job
+        loaded = {**loaded, **dict(zip(todo, compile_ahead(runner, todo, threads, progress),
+                                       strict=True))}
+    times = [loaded.get(j, 0.0) for j in jobs]
     for i, (shape, controls) in enumerate(jobs):
         t = time.perf_counter()
         runner.warm(shape, logit_controls=controls)
@@ -197,22 +199,16 @@ def compile_ahead(runner: Any, jobs: list[tuple[StepShape, bool]], threads: int,
     (``ModelRunner.compile_ahead``) in a pool of ``threads``, the largest first; the seconds
     each took, in ``jobs``' order. Tracing and lowering hold the GIL; XLA's compiles run in
     parallel."""
-    order = sorted(range(len(jobs)), key=lambda i: -_size(jobs[i][0]))
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].compile_weight)
     seconds = [0.0] * len(jobs)
     with concurrent.futures.ThreadPoolExecutor(threads, "mambacache-compile") as pool:
         futures = {pool.submit(runner.compile_ahead, *jobs[i]): i for i in order}
         for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             i = futures[fut]
             seconds[i] = fut.result()
-            shape = jobs[i][0]
             _report(progress, f"compiled {done} of {len(jobs)} programs "
-                              f"({'decode' if shape.decode else 'extend'} {shape.num_tokens} "
-                              f"tokens x {shape.num_pages_per_seq} pages: {seconds[i]:.1f} s)")
+                              f"({jobs[i][0].describe()}: {seconds[i]:.1f} s)")
     return seconds
-
-
-def _size(shape: StepShape) -> int:
-    return shape.num_tokens * shape.iterations * shape.num_pages_per_seq
 
 
 def _report(progress: Callable[[str], None] | None, line: str) -> None:

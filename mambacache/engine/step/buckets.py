@@ -89,6 +89,19 @@ class StepShape:
         more = (("iterations", self.iterations),) if self.iterations > 1 else ()
         return (self.decode, *sorted(self.sizes().items()), *more)
 
+    @property
+    def compile_weight(self) -> int:
+        """Tokens x iterations x pages per sequence: the order compiles start in (largest
+        first, the longest compiles)."""
+        return self.num_tokens * self.iterations * self.num_pages_per_seq
+
+    def describe(self) -> str:
+        """``decode 4 rows x 8 pages`` / ``extend 256 tokens x 64 pages`` (logs and errors)."""
+        if self.decode:
+            return (f"decode {self.num_seqs} rows x {self.num_pages_per_seq} pages"
+                    + (f" x {self.iterations} iterations" if self.iterations > 1 else ""))
+        return f"extend {self.num_tokens} tokens x {self.num_pages_per_seq} pages"
+
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
