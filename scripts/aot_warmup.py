@@ -6,8 +6,11 @@ thread pool, through JAX's persistent compile cache (run it twice: cold, then fr
         --set model.context_length=32768 --topology v6e:2x2 --cache-dir DIR [--limit N]
 
 The programs are ``warmup.engine_buckets``' program set for the config (the engine's own shape
-rules), each the engine's jitted step (``step_program.jitted_sharded_step``, Mosaic kernels)
-lowered on abstract sharded params and pools (``parallel/sizing.step_args``: nothing
+rules), each the engine's step callable for the topology's platform
+(``sampler_program.step_callables``: the fused ``step_program.jitted_sharded_step``, or with
+``compile.separate_sampler`` on, as ``auto`` is on TPU, the step without its sampler plus the
+sampler program once per logits-row count; Mosaic kernels) lowered on abstract sharded params
+and pools (``parallel/sizing.step_args``: nothing
 allocated) and compiled for the topology's compile-only devices, ``--threads`` at a time,
 largest first (``--limit N``: the N largest). Prints each program's seconds and whether it came
 from the cache, then the total wall and CPU time. Needs the ``aot`` extra.
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from mambacache.engine.runners.compile_cache import use_compile_cache
     from mambacache.engine.runners.compiles import CompileCounter
     from mambacache.engine.runners.loading import model_dtype
-    from mambacache.engine.runners.step_program import jitted_sharded_step
+    from mambacache.engine.runners.sampler_program import separate_sampler_on, step_callables
     from mambacache.engine.runners.warmup import engine_buckets
     from mambacache.engine.speculative.verify import max_rows
     from mambacache.engine.step.buckets import bucket
@@ -62,14 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     pools = sizing.abstract_pools(model_cfg, 64, page_size,
                                   cfg.scheduler.max_running_requests + 1, dtype)
     shapes = engine_buckets(cfg, model_cfg, bucket(max_rows(cfg), 1)).program_set()
-    shapes = sorted(shapes, key=lambda s: -s.num_tokens * s.num_pages_per_seq)
+    shapes = sorted(shapes, key=lambda s: -s.compile_weight)
     shapes = shapes[:opts.limit] if opts.limit else shapes
     counter = CompileCounter()
+    platform = next(iter(mesh.devices.flat)).platform
+    split = separate_sampler_on(cfg.compile.separate_sampler, platform)
 
     def compile_one(shape) -> tuple[float, int]:
         args = sizing.step_args(shape, page_size, params, pools, mesh)
-        fn = jitted_sharded_step(model_cfg, "pallas", shape.decode,
-                                 pool_shardings(pools, mesh), replicated(mesh), mesh)
+        fn = step_callables(model_cfg, "pallas", separate=split, mesh=mesh,
+                            pool_sh=pool_shardings(pools, mesh),
+                            out_sh=replicated(mesh))[shape.decode]
         hits = counter.cache_hits
         t = time.perf_counter()
         with counter.track():
@@ -82,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         futures = {pool.submit(compile_one, s): s for s in shapes}
         for fut in concurrent.futures.as_completed(futures):
             s, (seconds, hit) = futures[fut], fut.result()
-            print(f"{'decode' if s.decode else 'extend'} {s.num_tokens:5d} tokens x "
-                  f"{s.num_pages_per_seq:6d} pages: {seconds:7.1f} s"
-                  f"{' (cache hit)' if hit else ''}", flush=True)
+            print(f"{s.describe()}: {seconds:7.1f} s{' (cache hit)' if hit else ''}",
+                  flush=True)
     use = resource.getrusage(resource.RUSAGE_SELF)
     print(f"{cfg.model.preset} {cfg.model.dtype} TP {tp} on {opts.topology}: {len(shapes)} "
-          f"programs in {time.perf_counter() - t1:.1f} s wall ({opts.threads} threads; setup "
+          f"programs (sampler {'split' if split else 'fused'}) in "
+          f"{time.perf_counter() - t1:.1f} s wall ({opts.threads} threads; setup "
           f"{setup_s:.1f} s), {counter.compiles} compiled, {counter.cache_hits} from the cache, "
           f"process CPU {use.ru_utime + use.ru_stime:.1f} s")
     return 0
